@@ -1,0 +1,58 @@
+"""Fixes of upstream checkpointing defects, installed onto the pinned upstream releases.
+
+Usage::
+
+    import megatron.fixes
+    megatron.fixes.apply()          # idempotent; pretrain_gpt.py calls it before anything else
+
+``python -m megatron.fixes`` lists each fix, the upstream report it answers, what it replaces and
+whether it is active. Importing this package does no work beyond definitions: the fix modules (which
+import upstream) are loaded by :func:`fixes`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from megatron.fixes.base import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
+
+# One module per upstream defect; each defines ``FIX``. Order matters only for logging.
+FIX_MODULES = (
+    "megatron.fixes.replication",
+    "megatron.fixes.modelopt_moe",
+    "megatron.fixes.fsdp_dtensor",
+)
+
+__all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]
+
+
+def fixes() -> list[Fix]:
+    """The registered fixes (importing their modules on first call)."""
+    out = []
+    for name in FIX_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # fix not written yet in this checkout
+                continue
+            raise
+        out.append(module.FIX)
+    return out
+
+
+def apply() -> dict[str, FixStatus]:
+    """Install every fix onto upstream; idempotent (a second call changes nothing).
+
+    Returns:
+        fix name -> :class:`FixStatus`.
+
+    Raises:
+        UnsupportedUpstreamError: an upstream version outside a fix's pin that still has the defect.
+    """
+    return {fix.name: fix.apply() for fix in fixes()}
+
+
+def reset() -> None:
+    """Undo every installed fix (test isolation)."""
+    for fix in reversed(fixes()):
+        fix.reset()
