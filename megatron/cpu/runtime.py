@@ -1,0 +1,441 @@
+"""CPU backend: run upstream's real ``megatron.training.pretrain`` on CPU with gloo.
+
+Megatron-LM assumes one CUDA device per rank in ~35 places on the training path (timers, DDP
+buffers, optimizer, schedules, RNG, checkpointing metadata, async save). Rather than patching each
+call site, :func:`activate` installs a small runtime layer:
+
+torch level
+  * :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that maps every ``cuda`` device argument (``'cuda'``,
+    ``'cuda:N'``, ``torch.device('cuda')``, a bare device index) to ``cpu``, makes ``Tensor.cuda()``,
+    ``pin_memory`` and ``record_stream`` no-ops, and answers ``Tensor.type()`` with the CUDA type name
+    (upstream asserts ``'torch.cuda.FloatTensor'``). The mode is entered on the main thread, in every
+    new thread (``threading.Thread._bootstrap_inner``) and around custom autograd ``backward``s
+    (``BackwardCFunction.apply``), because torch function modes are thread-local and the autograd
+    engine runs backward with them disabled.
+  * Stand-ins for the ``torch.cuda`` functions Megatron calls (device count/current device,
+    streams, events, synchronize, memory statistics, device properties).
+  * A faithful stand-in for the CUDA RNG: a dedicated CPU ``torch.Generator`` plays
+    ``torch.cuda.default_generators[0]`` (``torch.cuda.get_rng_state``/``set_rng_state``/
+    ``manual_seed`` act on it), and dropout-type random ops run on it by swapping it in for the CPU
+    default generator for the duration of the op. So the CPU generator (initialisation, data) and
+    the "CUDA" generator (dropout, the model-parallel RNG tracker's states) are separate streams
+    exactly as on a GPU, both are saved in checkpoints by upstream's own code, and a resumed run is
+    bitwise identical to an uninterrupted one, dropout included.
+
+Megatron level (narrow named patches, see :data:`MEGATRON_PATCHES`)
+  * ``initialize_megatron`` is called with ``allow_no_cuda=True`` (``pretrain()`` never passes it).
+  * ``torch.distributed.init_process_group``: a CUDA ``device_id`` is dropped for gloo.
+  * ``compile_helpers`` (runs ``make``; the wheel ships the prebuilt helper and no Makefile) is
+    skipped when the prebuilt helper imports.
+  * ``tensor_parallel.random._lazy_call`` runs its callback at once (torch queues it forever when
+    CUDA is not initialised).
+
+Limits: no Transformer Engine, no fused kernels, no apex (pass the ``--no-*-fusion`` flags; the
+entrypoint's ``--cpu`` adds them). Each interception is logged once, at INFO level, by the
+``megatron.cpu`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+import types
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron.fixes.base import Patcher, PatchSpec
+
+logger = logging.getLogger("megatron.cpu")
+
+_state: dict[str, Any] = {"active": False, "patcher": None, "mode": None, "logged": set()}
+
+
+def _log_once(what: str) -> None:
+    if what not in _state["logged"]:
+        _state["logged"].add(what)
+        logger.info("cpu backend: intercepted %s", what)
+
+
+def is_active() -> bool:
+    """True once :func:`activate` has run in this process."""
+    return _state["active"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The "CUDA" RNG stand-in
+# ----------------------------------------------------------------------------------------------
+_CUDA_GENERATOR = torch.Generator(device="cpu")
+
+
+@contextlib.contextmanager
+def cuda_generator_as_default():
+    """Run the body with the CUDA stand-in generator as the CPU default generator.
+
+    Random ops that would run on a GPU tensor (dropout) draw from the "CUDA" stream, not from the
+    CPU stream used by initialisation and data code. Not re-entrant-safe across threads by design:
+    Megatron draws dropout masks on the training thread only.
+    """
+    cpu = torch.default_generator
+    saved = cpu.get_state()
+    cpu.set_state(_CUDA_GENERATOR.get_state())
+    try:
+        yield
+    finally:
+        _CUDA_GENERATOR.set_state(cpu.get_state())
+        cpu.set_state(saved)
+
+
+def _cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return _CUDA_GENERATOR.get_state()
+
+
+def _cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    _CUDA_GENERATOR.set_state(new_state.to("cpu", torch.uint8) if new_state.dtype != torch.uint8 else new_state)
+
+
+def _cuda_manual_seed(seed: int) -> None:
+    _CUDA_GENERATOR.manual_seed(int(seed))
+
+
+def _cuda_seed() -> None:
+    _CUDA_GENERATOR.seed()
+
+
+def _cuda_initial_seed() -> int:
+    return _CUDA_GENERATOR.initial_seed()
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.cuda stand-ins
+# ----------------------------------------------------------------------------------------------
+class _Stream:
+    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.cuda_stream = 0
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None: ...
+    def wait_event(self, event: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event: Any = None) -> "_Event":
+        event = event or _Event()
+        event.record(self)
+        return event
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Stream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _Event:
+    """Stand-in for ``torch.cuda.Event``; ``elapsed_time`` returns wall-clock milliseconds."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 **kwargs: Any) -> None:
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._t = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        if self._t is None or end._t is None:
+            return 0.0
+        return (end._t - self._t) * 1000.0
+
+
+def _device_properties(device: Any = None) -> types.SimpleNamespace:
+    try:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    except Exception:  # pragma: no cover - psutil is an NVRx dependency
+        total = 0
+    return types.SimpleNamespace(name="cpu (megatron.cpu stand-in)", total_memory=total, major=0, minor=0,
+                                 multi_processor_count=os.cpu_count() or 1, is_integrated=False,
+                                 L2_cache_size=0, uuid="cpu")
+
+
+def _mem_get_info(device: Any = None) -> tuple[int, int]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.available, vm.total
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+_CUDA_STANDINS: dict[str, Any] = {
+    "device_count": lambda: 1,
+    "current_device": lambda: 0,
+    "set_device": _noop,
+    "synchronize": _noop,
+    "Stream": _Stream,
+    "Event": _Event,
+    "current_stream": lambda device=None: _Stream(),
+    "default_stream": lambda device=None: _Stream(),
+    "set_stream": _noop,
+    "stream": lambda stream=None: contextlib.nullcontext(),
+    "memory_allocated": _zero,
+    "max_memory_allocated": _zero,
+    "memory_reserved": _zero,
+    "max_memory_reserved": _zero,
+    "memory_stats": lambda device=None: {},
+    "memory_summary": lambda *a, **k: "(cpu backend: no CUDA memory)",
+    "reset_peak_memory_stats": _noop,
+    "reset_max_memory_allocated": _noop,
+    "empty_cache": _noop,
+    "ipc_collect": _noop,
+    "mem_get_info": _mem_get_info,
+    "get_device_properties": _device_properties,
+    "get_device_capability": lambda device=None: (0, 0),
+    "get_device_name": lambda device=None: "cpu",
+    "get_rng_state": _cuda_get_rng_state,
+    "set_rng_state": _cuda_set_rng_state,
+    "manual_seed": _cuda_manual_seed,
+    "manual_seed_all": _cuda_manual_seed,
+    "seed": _cuda_seed,
+    "seed_all": _cuda_seed,
+    "initial_seed": _cuda_initial_seed,
+    "default_generators": (_CUDA_GENERATOR,),
+}
+_CUDA_RANDOM_STANDINS = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed",
+                         "seed_all", "initial_seed")
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch function mode
+# ----------------------------------------------------------------------------------------------
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare index means a CUDA device to torch's factory functions and Tensor.to.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_T = torch.Tensor
+_F = torch.nn.functional
+_DROPOUT_FUNCS = frozenset(
+    f for f in (
+        _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout,
+        torch.dropout, torch.bernoulli, _T.bernoulli, _T.bernoulli_,
+    )
+)
+_RANDOM_FACTORIES = frozenset((torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal,
+                               torch.rand_like, torch.randn_like, torch.randint_like))
+_NOOP_METHODS = frozenset((_T.pin_memory, _T.record_stream))
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA devices to CPU for every torch function called while the mode is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func is _T.cuda:
+            _log_once("Tensor.cuda()")
+            return args[0]
+        if func in _NOOP_METHODS:
+            _log_once(f"Tensor.{func.__name__}()")
+            return args[0] if func is _T.pin_memory else None
+        if func is _T.is_pinned:
+            return False
+        if func is _T.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                _log_once("Tensor.type() (answers torch.cuda.*Tensor)")
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        cuda_requested = False
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            _log_once(f"device={device!r} in {getattr(func, '__name__', func)}")
+            kwargs["device"] = "cpu"
+            cuda_requested = True
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is _T.to and len(args) > 1:
+            first = args[1]
+            if not isinstance(first, (torch.dtype, torch.Tensor)) and _is_cuda_device(first):
+                _log_once("Tensor.to(cuda)")
+                args = (args[0], "cpu") + tuple(args[2:])
+        if func in _DROPOUT_FUNCS or (cuda_requested and func in _RANDOM_FACTORIES):
+            with cuda_generator_as_default():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _in_mode(fn):
+    """Wrap ``fn`` so that it runs with :class:`CudaToCpuMode` active (if the backend is)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _state["active"] or torch._C._is_torch_function_mode_enabled() and _mode_on_stack():
+            return fn(*args, **kwargs)
+        with CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _mode_on_stack() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-level patches
+# ----------------------------------------------------------------------------------------------
+MEGATRON_PATCHES = (
+    PatchSpec("megatron.training.training.initialize_megatron", "same, with allow_no_cuda=True",
+              "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed"),
+    PatchSpec("torch.distributed.init_process_group", "drops a CUDA device_id for the gloo backend",
+              "_initialize_distributed binds the process group to cuda:<local_rank>"),
+    PatchSpec("megatron.core.datasets.utils.compile_helpers", "no-op when the prebuilt helper imports",
+              "the wheel ships helpers_cpp prebuilt and no Makefile; `make` fails"),
+    PatchSpec("megatron.core.tensor_parallel.random._lazy_call", "calls the callback at once",
+              "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever"),
+)
+
+
+def _install_megatron_patches(p: Patcher) -> None:
+    import megatron.core.datasets.utils as ds_utils
+    import megatron.core.tensor_parallel.random as tp_random
+    import megatron.training.training as training
+
+    upstream_init = training.initialize_megatron
+
+    @functools.wraps(upstream_init)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return upstream_init(*args, **kwargs)
+
+    p.replace(training, "initialize_megatron", initialize_megatron)
+
+    upstream_ipg = torch.distributed.init_process_group
+
+    @functools.wraps(upstream_ipg)
+    def init_process_group(*args, **kwargs):
+        device_id = kwargs.get("device_id")
+        if device_id is not None and _is_cuda_device(device_id):
+            _log_once("init_process_group(device_id=cuda)")
+            kwargs.pop("device_id")
+        return upstream_ipg(*args, **kwargs)
+
+    p.replace(torch.distributed, "init_process_group", init_process_group)
+
+    upstream_compile = ds_utils.compile_helpers
+
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            return upstream_compile()
+        _log_once("compile_helpers (prebuilt helpers_cpp used)")
+
+    p.replace(ds_utils, "compile_helpers", compile_helpers)
+    p.replace(tp_random, "_lazy_call", lambda cb: cb())
+
+
+# ----------------------------------------------------------------------------------------------
+# activate / deactivate
+# ----------------------------------------------------------------------------------------------
+def _unique(value: Any) -> Any:
+    """A distinct function object per stand-in: torch._dynamo keys its trace rules by function
+    identity and refuses one object registered under two torch.cuda names."""
+    if not isinstance(value, types.FunctionType):
+        return value
+
+    def standin(*args, **kwargs):
+        return value(*args, **kwargs)
+
+    standin.__name__ = standin.__qualname__ = getattr(value, "__name__", "standin")
+    return standin
+
+
+def activate() -> None:
+    """Install the CPU backend in this process; idempotent.
+
+    Call before ``pretrain()`` (``pretrain_gpt.py --cpu`` does). Requires the process group backend
+    to be gloo (``--distributed-backend gloo``).
+
+    Raises:
+        RuntimeError: a real CUDA device is present and usable; the CPU backend refuses to shadow it
+            (set ``CUDA_VISIBLE_DEVICES=`` to force CPU).
+    """
+    if _state["active"]:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron.cpu: a CUDA device is available; the CPU backend would shadow it. Run without "
+            "--cpu to train on the GPU, or set CUDA_VISIBLE_DEVICES= to force the CPU backend."
+        )
+    import megatron.core  # noqa: F401  (upstream imports see the real torch.cuda first)
+
+    p = Patcher()
+    for name, value in _CUDA_STANDINS.items():
+        p.replace(torch.cuda, name, _unique(value))
+    import torch.cuda.random as cuda_random
+
+    for name in _CUDA_RANDOM_STANDINS:
+        p.replace(cuda_random, name, _unique(_CUDA_STANDINS[name]))
+    try:
+        import torch.cuda.nvtx as nvtx
+
+        for name in ("range_push", "range_pop", "mark"):
+            p.replace(nvtx, name, _unique(_noop))
+        p.replace(nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+    except ImportError:  # pragma: no cover
+        pass
+
+    # Torch function modes are per thread and disabled inside autograd's backward.
+    upstream_bootstrap = threading.Thread._bootstrap_inner
+    p.replace(threading.Thread, "_bootstrap_inner", _in_mode(upstream_bootstrap))
+    from torch.autograd.function import BackwardCFunction
+
+    p.replace(BackwardCFunction, "apply", _in_mode(BackwardCFunction.apply))
+
+    _install_megatron_patches(p)
+    _CUDA_GENERATOR.manual_seed(0)
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _state.update(active=True, patcher=p, mode=mode)
+    logger.info("cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads())
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (for tests). Must be called on the thread that activated."""
+    if not _state["active"]:
+        return
+    _state["mode"].__exit__(None, None, None)
+    _state["patcher"].restore()
+    _state.update(active=False, patcher=None, mode=None)

@@ -1,0 +1,107 @@
+"""This fork's command-line flags, added to upstream's parser through ``extra_args_provider``.
+
+``--cpu`` is special: it must take effect before upstream touches CUDA, so
+:func:`prepare_cpu_backend` reads it from ``sys.argv`` before parsing, activates
+:mod:`megatron.cpu.runtime` and adds the flags the CPU backend needs (unless given explicitly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger("megatron.training_ext")
+
+#: Flags ``--cpu`` adds when the command line does not set them: gloo, CPU initialisation, the local
+#: (non-Transformer-Engine) layer spec and no fused CUDA kernels.
+CPU_DEFAULT_FLAGS: tuple[tuple[str, ...], ...] = (
+    ("--distributed-backend", "gloo"),
+    ("--use-cpu-initialization",),
+    ("--transformer-impl", "local"),
+    ("--no-gradient-accumulation-fusion",),
+    ("--no-bias-gelu-fusion",),
+    ("--no-bias-swiglu-fusion",),
+    ("--no-bias-dropout-fusion",),
+    ("--no-masked-softmax-fusion",),
+    ("--no-persist-layer-norm",),
+    ("--no-rope-fusion",),
+    ("--no-gradient-reduce-div-fusion",),
+)
+#: Values of upstream flags the CPU backend cannot honour: flag -> allowed values.
+CPU_REQUIRED_VALUES = {
+    "--distributed-backend": {"gloo"},
+    "--transformer-impl": {"local"},
+}
+CPU_REJECTED_FLAGS = {
+    "--fp8-format": "FP8 needs Transformer Engine and a GPU",
+    "--fp8-param-gather": "FP8 parameters need Transformer Engine and a GPU",
+    "--sequence-parallel": "sequence parallelism needs the fused LayerNorm of TE/apex",
+    "--tp-comm-overlap": "communication overlap needs Transformer Engine userbuffers",
+}
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def prepare_cpu_backend(argv: list[str]) -> bool:
+    """If ``--cpu`` is on the command line, activate the CPU backend and add its default flags to
+    ``argv`` in place.
+
+    Returns:
+        True if the CPU backend is active.
+
+    Raises:
+        SystemExit: a flag the CPU backend cannot honour (message names it and why); raised on every
+            rank, before any process group exists.
+    """
+    if "--cpu" not in argv:
+        return False
+    for flag, allowed in CPU_REQUIRED_VALUES.items():
+        value = _flag_value(argv, flag)
+        if value is not None and value not in allowed:
+            raise SystemExit(f"pretrain_gpt.py --cpu: {flag} {value} is not supported on CPU "
+                             f"(use {' or '.join(sorted(allowed))}, or drop --cpu to run on GPUs)")
+    for flag, why in CPU_REJECTED_FLAGS.items():
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            raise SystemExit(f"pretrain_gpt.py --cpu: {flag} is not supported on CPU: {why}")
+    added = []
+    for entry in CPU_DEFAULT_FLAGS:
+        if not any(a == entry[0] or a.startswith(entry[0] + "=") for a in argv):
+            argv.extend(entry)
+            added.append(" ".join(entry))
+    from megatron.cpu import runtime
+
+    runtime.activate()
+    logger.info("cpu backend: added flags: %s", " ".join(added) or "(none)")
+    return True
+
+
+def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider`` for upstream's parser: this fork's flags."""
+    group = parser.add_argument_group("megatron-lm-fixed", "flags of this fork (see README)")
+    group.add_argument("--cpu", action="store_true",
+                       help="Run the real training loop on CPU with gloo (megatron.cpu backend). "
+                            "Adds --distributed-backend gloo --use-cpu-initialization "
+                            "--transformer-impl local and the --no-*-fusion flags unless given.")
+    group.add_argument("--loss-log", default=None, metavar="PATH",
+                       help="Append each iteration's reduced training losses and grad norm to PATH "
+                            "as JSON lines, exact (float.hex) and decimal; written by the last rank.")
+    return parser
+
+
+def validate_fork_args(args: argparse.Namespace) -> None:
+    """Cross-check this fork's flags against upstream's; raises ``SystemExit`` with the reason."""
+
+
+def install_training_hooks(args: argparse.Namespace) -> None:
+    """Install the training-path behaviour this fork's flags switch on (called before pretrain)."""
+    if args.loss_log:
+        from megatron.training_ext import loss_log
+
+        loss_log.install(args.loss_log)

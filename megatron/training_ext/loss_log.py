@@ -1,0 +1,66 @@
+"""``--loss-log PATH``: exact per-iteration losses, for bitwise comparisons between runs.
+
+Wraps upstream's ``megatron.training.training.training_log`` (called once per iteration by
+``train()`` with the DP-reduced losses) and appends one JSON line per iteration::
+
+    {"iteration": 11, "lm loss": "0x1.7d5e2ep+2", "lm loss (decimal)": 5.958, "grad norm": "0x1.3p+0", ...}
+
+Floats are written with ``float.hex`` so that two runs can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+_installed: dict[str, object] = {}
+
+
+def _as_float(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().reshape(-1)[0].item())
+    return float(value)
+
+
+def install(path: str) -> None:
+    """Wrap ``training_log`` so that the last rank appends each iteration's losses to ``path``."""
+    import megatron.training.training as training
+
+    if _installed.get("path") == path:
+        return
+    upstream = _installed.get("upstream") or training.training_log
+
+    @functools.wraps(upstream)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm, *args, **kwargs):
+        rank_ok = (not torch.distributed.is_initialized()
+                   or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)
+        if rank_ok and loss_dict:
+            record: dict[str, object] = {"iteration": int(iteration), "skipped": int(skipped_iter)}
+            for key, value in list(loss_dict.items()) + [("grad norm", grad_norm)]:
+                v = _as_float(value)
+                if v is not None:
+                    record[key] = v.hex()
+                    record[f"{key} (decimal)"] = v
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return upstream(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                        report_memory_flag, skipped_iter, grad_norm, params_norm, *args, **kwargs)
+
+    training.training_log = training_log
+    _installed.update(path=path, upstream=upstream)
+
+
+def read(path: str) -> dict[int, dict[str, object]]:
+    """Read a loss log: iteration -> record (the last record wins for repeated iterations)."""
+    out: dict[int, dict[str, object]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                out[int(rec["iteration"])] = rec
+    return out
