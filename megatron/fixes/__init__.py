@@ -21,6 +21,7 @@ FIX_MODULES = (
     "megatron.fixes.replication",
     "megatron.fixes.modelopt_moe",
     "megatron.fixes.fsdp_dtensor",
+    "megatron.fixes.distopt_resume",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]

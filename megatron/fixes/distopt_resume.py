@@ -1,0 +1,112 @@
+"""Fix: distributed-optimizer resume without apex / Transformer Engine, and with fp32 parameters.
+
+Two defects of megatron-core 0.19.2's ``DistributedOptimizer`` stop ``--use-distributed-optimizer``
+runs from resuming when the inner optimizer is torch's Adam (no apex, no TE: every CPU run, and GPU
+containers without them) or when parameters are fp32 (no ``--bf16``/``--fp16``):
+
+1. ``state_dict()`` extracts Adam's ``step`` from the per-parameter state and asserts exactly one
+   value (``distrib_optimizer.py:839``). On resume, the load template is built from a *fresh*
+   optimizer whose per-parameter state is still empty, so the assertion fails before anything is
+   read. The replacement reports step 0 for a fresh optimizer; ``load_state_dict`` then takes the
+   checkpoint's step, exactly as upstream does.
+2. ``load_parameter_state_from_dp_reshardable`` copies the loaded main parameters with ``copy_``
+   outside ``torch.no_grad()``; with fp32 parameters the main parameters are views of the model's
+   leaf parameters, and autograd refuses ("a view of a leaf Variable that requires grad is being used
+   in an in-place operation"). The replacement runs ``_set_main_param_and_optimizer_states`` under
+   ``no_grad``, as the neighbouring upstream loaders already do.
+3. ``load_state_dict`` (non-apex branch) gives every parameter's Adam state *the same* ``step``
+   tensor (torch's Adam increments ``step`` in place, once per parameter), and the parameter-state
+   load that follows then overwrites it with the load template's placeholder (0): the bias
+   correction after resume is wrong and the run diverges from an uninterrupted one at the second
+   iteration after the load. The replacement sets each parameter's ``step`` to the checkpoint's
+   param-group step, one tensor per parameter.
+
+Detection of a fixed upstream is by source capability: the step assertion gone from ``state_dict``
+and the copy already under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from megatron.fixes.base import Fix, Patcher, PatchSpec
+
+_TARGET = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+
+
+class DistOptResumeFix(Fix):
+    name = "distopt_resume"
+    title = "distributed-optimizer resume without apex/TE and with fp32 params"
+    upstream_refs = ("megatron-core distrib_optimizer.py:839 (non-apex step assertion)",)
+    package = "megatron-core"
+    supported = "==0.19.2"
+    patches = (
+        PatchSpec(f"{_TARGET}.state_dict", "megatron.fixes.distopt_resume (fresh optimizer -> step 0)",
+                  "resume without apex/TE asserts on the empty state of a fresh torch Adam"),
+        PatchSpec(f"{_TARGET}.load_state_dict",
+                  "same, then each parameter's step = the checkpoint's step, one tensor each",
+                  "one shared step tensor, later overwritten by the template's 0, restarts Adam's "
+                  "bias correction after resume"),
+        PatchSpec(f"{_TARGET}._set_main_param_and_optimizer_states",
+                  "same, under torch.no_grad()",
+                  "fp32 resume copy_()s into views of leaf parameters with autograd on"),
+    )
+
+    def upstream_behaves(self) -> bool:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
+
+        step_assert = "assert len(steps) == 1" in inspect.getsource(D.state_dict)
+        shared_step = 's["step"] = step\n' in inspect.getsource(D.load_state_dict)
+        loader = inspect.getsource(D.load_parameter_state_from_dp_reshardable)
+        copy_fn = inspect.getsource(D._set_main_param_and_optimizer_states)
+        no_grad_copy = "no_grad" in copy_fn or "@torch.no_grad()" in loader.split("def ")[0]
+        return not step_assert and not shared_step and no_grad_copy
+
+    def install(self, patcher: Patcher) -> None:
+        from megatron.core.optimizer import distrib_optimizer as dopt
+
+        D = dopt.DistributedOptimizer
+        upstream_state_dict = D.state_dict
+
+        @functools.wraps(upstream_state_dict)
+        def state_dict(self):
+            if dopt.HAVE_APEX_OR_TE or self.optimizer.state:
+                return upstream_state_dict(self)
+            # A fresh torch optimizer (the load template on resume): no per-parameter state yet,
+            # hence no step. Placeholders only: load_state_dict takes the checkpoint's step.
+            inner = self.optimizer.state_dict()
+            out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+            for group in out["optimizer"]["param_groups"]:
+                del group["params"]
+                group["step"] = 0
+            if self.grad_scaler:
+                out["grad_scaler"] = self.grad_scaler.state_dict()
+            return out
+
+        patcher.replace(D, "state_dict", state_dict)
+        upstream_load = D.load_state_dict
+
+        @functools.wraps(upstream_load)
+        def load_state_dict(self, state_dict):
+            result = upstream_load(self, state_dict)
+            if dopt.HAVE_APEX_OR_TE or "param_state" not in state_dict:
+                return result  # apex/TE keep step per group; or the template pass before the load
+            steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
+            if len(steps) != 1:
+                raise RuntimeError(f"distributed optimizer checkpoint holds param-group steps {steps}; "
+                                   "expected exactly one (all groups advance together)")
+            step = float(steps.pop())
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = torch.tensor(step, dtype=torch.float32)
+            return result
+
+        patcher.replace(D, "load_state_dict", load_state_dict)
+        patcher.replace(D, "_set_main_param_and_optimizer_states",
+                        torch.no_grad()(D._set_main_param_and_optimizer_states))
+
+
+FIX = DistOptResumeFix()
