@@ -1,0 +1,906 @@
+"""Fix: local checkpoint replication corrupts quantized weights (NVRx issue 349, Megatron-LM issue 5281).
+
+The defect (see ``/work/shared/notes/upstream-defects.md`` section 1)
+---------------------------------------------------------------------
+With ``--non-persistent-ckpt-type local --replication`` Megatron's ``pretrain()`` builds
+``CliqueReplicationStrategy.from_replication_params(J, F)`` (NVRx 0.7.0,
+``checkpointing/local/replication/strategies.py``) and hands it to ``LocalCheckpointManager``.
+``CliqueReplicationStrategy.replicate`` gives the raw ``ShardedTensor.data`` to
+``GroupWrapper.all_gather_batch``, which allocates receive buffers with ``empty_like`` of a meta
+placeholder and calls ``dist.broadcast`` on every tensor as it is. That is wrong for every tensor
+the transport cannot carry as one dense block of memory in a dtype the backend supports:
+
+* Transformer Engine quantized parameters (``--fp8-param-gather``: ``Float8Tensor``,
+  ``MXFP8Tensor``, ...): ``empty_like`` makes a real, uninitialised quantized tensor and TE runs
+  ``c10d::broadcast_`` (not a mutable-schema op) on a dequantized temporary, so the received values
+  are thrown away and the replica file holds NaN/garbage; builds whose pickling drops the
+  quantizer crash with ``AttributeError`` on ``make_empty`` instead.
+* non-dense views (``x[:, ::2]``, ``x.t()``): sent as raw memory from ``data_ptr`` -> silently
+  wrong values; ``float8_*`` / ``uint16`` tensors on gloo: ``Invalid scalar type``.
+* retrieval from a peer (``GroupWrapper.isend_state_dict`` / ``irecv_state_dict``) hardcodes
+  ``.cuda()`` and ``'cuda'`` buffers: recovery cannot run over a CPU/gloo group.
+
+What this fix does
+------------------
+:class:`FixedCliqueReplicationStrategy` subclasses the upstream class and overrides ``replicate``
+and ``retrieve_execute``. ``install`` makes it the object the name
+``nvidia_resiliency_ext.checkpointing.local.replication.strategies.CliqueReplicationStrategy``
+resolves to (so ``pretrain()``'s in-function import, ``LazyCliqueReplicationStrategy`` and any
+``CliqueReplicationStrategy.from_replication_params`` call made after ``apply()`` build it:
+``from_replication_params`` uses ``cls(...)``), and also points the upstream class's own
+``replicate`` / ``retrieve_execute`` at the fixed functions, so a strategy built from a name bound
+before ``apply()`` is fixed too. Nothing else of upstream is touched.
+
+``replicate`` (owner = the rank whose shard it is; receivers = the other ranks of its clique):
+
+1. Before any collective, every tensor is checked by metadata. Tensors that cannot be stored
+   faithfully (meta tensors, sparse layouts, PyTorch-native quantized tensors, tensor subclasses
+   with their own ``__torch_dispatch__`` but no ``dequantize``) are refused with
+   :class:`UnsupportedTensorError` naming the key. The first collective gathers every rank's
+   errors, so the error is raised on *every* rank, before any data is sent or any file written.
+2. One tensor at a time, the owner converts it to what will be stored: a quantized tensor
+   (detected as ``type(t).dequantize is not torch.Tensor.dequantize``) is dequantized to its
+   nominal dtype (``t.dtype``); a non-contiguous tensor is made contiguous; a tensor on another
+   device than ``target_device`` is copied there. Plain contiguous tensors are used as they are
+   (no copy). The owner computes the tensor's checksum
+   (:func:`megatron.integrity.checksums.tensor_checksum`) and keeps the converted tensor as the
+   primary's data, so primary and replicas hold the same values.
+3. The transport never hands ``dist`` anything but flat ``uint8`` tensors: every dtype
+   (``float8_*``, ``uint16``, ``bool``, complex, ...) travels as its bytes. Small tensors are
+   coalesced into staging buckets of ``bucket_bytes``; large ones are broadcast straight from /
+   into their own memory in chunks of at most ``bucket_bytes``. Messages of all owners are
+   interleaved round-robin and ``pipeline_depth`` of them are in flight at once, so on a group of
+   two both directions are used. Peak extra memory: ``pipeline_depth * bucket_bytes`` of staging
+   on the communication device plus the tensor being converted; never a second copy of the model.
+4. Each receiver checksums every tensor as soon as its last byte arrives (while the next messages
+   are in flight) and compares with the owner's checksum, carried in the owner's hollow state
+   dict. A final collective gathers every receiver's verdict: on any mismatch every rank raises
+   :class:`~megatron.integrity.checksums.ChecksumMismatchError` naming key, sender rank and
+   receiver rank, before ``LocalCheckpointManager.save`` writes a file, so no file is written.
+5. The checksum record is stored in every returned state dict (primary and replicas), i.e. in
+   every local checkpoint file; format in :mod:`megatron.integrity.checksums` (attribute
+   ``_megatron_integrity`` of the pickled ``TensorAwareStateDict``).
+
+``retrieve_execute`` (``LocalCheckpointManager.load()`` with replication):
+
+1. Every state dict this rank loaded from disk is verified against its record; a group-wide
+   collective makes a mismatch (e.g. a corrupted byte in a replica file) raise on every rank, so a
+   corrupt file is never used. Files without a record (written without this fix) are loaded with a
+   warning, as upstream would.
+2. Peer transfers use point-to-point messages of flat ``uint8`` buffers on the device the group's
+   backend supports (CPU for gloo, the current CUDA device for NCCL), not hardcoded CUDA.
+3. The receiver verifies what it received against the sender's record; mismatches raise on every
+   rank.
+
+How ``upstream_behaves()`` decides (capability, not version)
+-----------------------------------------------------------
+It runs the *installed upstream* ``CliqueReplicationStrategy.replicate`` on a one-rank stand-in
+group that records what upstream hands to ``all_gather_batch``, with a tiny state dict holding a
+probe quantized tensor (a storage-less wrapper subclass with its own ``dequantize``) and a
+non-contiguous view. Upstream behaves only if the transport receives plain, contiguous tensors
+holding the dequantized / densified values. NVRx 0.7.0 hands over the quantized tensor itself, so
+the fix installs. Any error in the probe (changed internals) counts as "does not behave", and
+``Fix.apply`` then refuses versions other than the pinned one.
+
+Not covered: load paths that bypass the replication strategy (``LocalCheckpointManager`` without
+``repl_strategy``) are not verified, since such files are written without a record.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.integrity import checksums as ck
+from megatron.integrity.checksums import ChecksumMismatchError
+
+logger = logging.getLogger("megatron.fixes.replication")
+
+_STRATEGIES = "nvidia_resiliency_ext.checkpointing.local.replication.strategies"
+
+try:
+    from nvidia_resiliency_ext.checkpointing.local.replication import strategies as _strategies
+
+    _UpstreamClique = _strategies.CliqueReplicationStrategy
+except ImportError:  # NVRx not installed: the fix reports NOT_APPLICABLE
+    _strategies = None
+    _UpstreamClique = None
+
+# Upstream's own methods, captured before anything is patched (the capability probe runs them).
+_UPSTREAM_REPLICATE = None if _UpstreamClique is None else _UpstreamClique.__dict__["replicate"]
+
+DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
+"""Size of a staging bucket and the largest single message (bytes)."""
+DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
+"""Tensors at least this large are sent from/into their own memory (no staging copy)."""
+DEFAULT_PIPELINE_DEPTH = 2
+"""Messages in flight at once; staging memory is ``pipeline_depth * bucket_bytes``."""
+
+__all__ = [
+    "ChecksumMismatchError",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_DIRECT_MIN_BYTES",
+    "DEFAULT_PIPELINE_DEPTH",
+    "FIX",
+    "FixedCliqueReplicationStrategy",
+    "ReplicationFix",
+    "UnsupportedTensorError",
+    "comm_device",
+    "fixed_replicate",
+    "fixed_retrieve_execute",
+    "is_quantized",
+    "prepare_tensor",
+]
+
+
+class UnsupportedTensorError(ValueError):
+    """A tensor of a local checkpoint cannot be replicated faithfully.
+
+    Raised on every rank of the replication group before any data is sent or any file written.
+    The message names the key and the rank that holds it.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor classification and conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """True for a quantized tensor subclass (Transformer Engine ``Float8Tensor``, ``MXFP8Tensor``,
+    ...): its type defines its own ``dequantize``. Every tensor has ``Tensor.dequantize``, so
+    ``hasattr`` is no test."""
+    return type(t).dequantize is not torch.Tensor.dequantize
+
+
+def _has_custom_dispatch(t: torch.Tensor) -> bool:
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _describe(key: str) -> str:
+    return f"'{key}'"
+
+
+def check_tensor(key: str, t: Any) -> Optional[str]:
+    """Metadata check of one checkpoint tensor (no data is read).
+
+    Returns:
+        ``None`` if :func:`prepare_tensor` can convert it faithfully, else the reason, naming
+        ``key``.
+    """
+    if not isinstance(t, torch.Tensor):
+        return f"tensor {_describe(key)} is a {type(t).__name__}, not a torch.Tensor"
+    if t.device.type == "meta":
+        return f"tensor {_describe(key)} is on the meta device (it holds no data)"
+    if is_quantized(t):
+        return None  # dequantized by prepare_tensor
+    if _has_custom_dispatch(t):
+        return (
+            f"tensor {_describe(key)} is a {type(t).__module__}.{type(t).__qualname__}: a tensor "
+            "subclass with its own __torch_dispatch__ but no dequantize(); its bytes cannot be "
+            "carried faithfully"
+        )
+    if t.layout is not torch.strided:
+        return f"tensor {_describe(key)} has layout {t.layout}; only dense (strided) tensors are supported"
+    if t.is_quantized:
+        return f"tensor {_describe(key)} is a PyTorch-native quantized tensor ({t.dtype}); not supported"
+    return None
+
+
+def prepare_tensor(
+    key: str, t: torch.Tensor, device: Optional[torch.device] = None
+) -> Tuple[torch.Tensor, bool]:
+    """What a checkpoint stores for ``t``: a plain, C-contiguous tensor of ``t``'s nominal dtype
+    and shape.
+
+    Args:
+        key: name used in error messages.
+        t: a tensor that passed :func:`check_tensor`. A quantized tensor is dequantized
+            (``t.dequantize()``, cast to ``t.dtype`` if the result has another dtype); a
+            non-contiguous one is copied to a contiguous tensor; a plain contiguous tensor is
+            returned as it is.
+        device: if given and different from the tensor's device, the result is copied there.
+
+    Returns:
+        ``(tensor, converted)``; ``converted`` is True when the result is a new tensor.
+
+    Raises:
+        UnsupportedTensorError: ``check_tensor`` refuses it, or ``dequantize()`` did not return
+            a plain tensor of ``t``'s shape.
+    """
+    reason = check_tensor(key, t)
+    if reason is not None:
+        raise UnsupportedTensorError(reason)
+    converted = False
+    if is_quantized(t):
+        out = t.dequantize()
+        if not isinstance(out, torch.Tensor) or is_quantized(out) or _has_custom_dispatch(out):
+            raise UnsupportedTensorError(
+                f"{type(t).__name__}.dequantize() of tensor {_describe(key)} returned "
+                f"{type(out).__name__}, not a plain tensor"
+            )
+        if tuple(out.shape) != tuple(t.shape):
+            raise UnsupportedTensorError(
+                f"{type(t).__name__}.dequantize() of tensor {_describe(key)} has shape "
+                f"{tuple(out.shape)}, expected {tuple(t.shape)}"
+            )
+        if out.dtype != t.dtype:
+            out = out.to(t.dtype)
+        converted = True
+    else:
+        out = t
+    if not out.is_contiguous():
+        out = out.contiguous()
+        converted = True
+    if device is not None and out.device != torch.device(device):
+        out = out.to(device)
+        converted = True
+    if converted:
+        out = out.detach()
+    return out, converted
+
+
+def _host_checksum(t: torch.Tensor) -> int:
+    """Checksum of a plain contiguous tensor (copied to the CPU first if needed)."""
+    return ck.tensor_checksum(t)
+
+
+def _tensor_names(state_dict: Any, count: int) -> List[Tuple[str, Optional[Tuple[int, ...]]]]:
+    """(key, global_offset) per tensor, in ``state_dict.tensors`` order (non-hollow)."""
+    sharded = getattr(type(state_dict), "_sharded_tensors", None)
+    if sharded is not None:
+        names = [
+            (str(sh.key), tuple(int(o) for o in sh.global_offset))
+            for sh in state_dict._sharded_tensors
+        ]
+        if len(names) == count:
+            return names
+    return [(f"tensor[{i}]", None) for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Transport: flat uint8 messages, coalesced and pipelined
+# ---------------------------------------------------------------------------------------------
+
+
+def comm_device(group_wrapper: Any) -> torch.device:
+    """Device to communicate on for an NVRx ``GroupWrapper``, from its backend.
+
+    NCCL (alone or in a mixed ``cpu:gloo,cuda:nccl`` backend, with CUDA available) -> the current
+    CUDA device; a backend that supports the CPU (gloo, ...) -> CPU; otherwise the backend's first
+    supported device.
+    """
+    backend = str(dist.get_backend(group_wrapper.group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend.startswith("cpu:") or ",cpu:" in backend:
+        return torch.device("cpu")
+    devices = dist.Backend.backend_capability.get(backend, ["cpu"])
+    if "cpu" in devices:
+        return torch.device("cpu")
+    dev = torch.device(devices[0])
+    if dev.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+@dataclass
+class _Message:
+    """One transfer of ``size`` bytes from one owner: pieces ``(tensor, tensor_off, length,
+    message_off)``. ``direct`` when it is one slice of one tensor (no staging copy needed)."""
+
+    src: int
+    size: int
+    pieces: List[Tuple[int, int, int, int]] = field(default_factory=list)
+
+    @property
+    def direct(self) -> bool:
+        return len(self.pieces) == 1 and self.pieces[0][2] == self.size
+
+
+def _plan_messages(src: int, sizes: Sequence[int], bucket_bytes: int, direct_min: int) -> List[_Message]:
+    """Split one owner's tensors (byte sizes) into messages of at most ``bucket_bytes``."""
+    out: List[_Message] = []
+    pending: Optional[_Message] = None
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if n >= direct_min:
+            if pending is not None:
+                out.append(pending)
+                pending = None
+            for off in range(0, n, bucket_bytes):
+                length = min(bucket_bytes, n - off)
+                out.append(_Message(src, length, [(i, off, length, 0)]))
+            continue
+        if pending is not None and pending.size + n > bucket_bytes:
+            out.append(pending)
+            pending = None
+        if pending is None:
+            pending = _Message(src, 0)
+        pending.pieces.append((i, 0, n, pending.size))
+        pending.size += n
+    if pending is not None:
+        out.append(pending)
+    return out
+
+
+def _interleave(per_src: Sequence[List[_Message]]) -> List[_Message]:
+    """Round-robin over owners so transfers in both directions overlap."""
+    queues = [collections.deque(m) for m in per_src]
+    out: List[_Message] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.popleft())
+    return out
+
+
+def _broadcast(buf: torch.Tensor, src: int, group: Any):
+    """The only call that moves replica bytes during ``replicate`` (tests wrap it to inject
+    faults). Returns the async work handle."""
+    return dist.broadcast(buf, src=src, group=group, async_op=True)
+
+
+class _Staging:
+    """``depth`` reusable uint8 buffers of ``bucket_bytes`` on ``device``, allocated lazily."""
+
+    def __init__(self, depth: int, bucket_bytes: int, device: torch.device):
+        self.bufs: List[Optional[torch.Tensor]] = [None] * depth
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+
+    def get(self, slot: int, size: int) -> torch.Tensor:
+        buf = self.bufs[slot]
+        if buf is None:
+            buf = self.bufs[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+        return buf[:size]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return ck.tensor_byte_view(t)
+
+
+def _raise_everywhere(group_wrapper: Any, my_errors: List[str], exc_type, header: str) -> None:
+    """Collective: gather every rank's error list; if any rank has errors, raise on all ranks."""
+    gathered = group_wrapper.all_gather_object(list(my_errors))
+    lines = [
+        f"  rank {group_wrapper.get_global_rank(r)}: {e}"
+        for r, errs in enumerate(gathered)
+        for e in errs
+    ]
+    if lines:
+        raise exc_type(header + "\n" + "\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------
+# replicate
+# ---------------------------------------------------------------------------------------------
+
+
+def fixed_replicate(self, local_ckpt, id_):
+    """Fixed ``CliqueReplicationStrategy.replicate`` (NVRx 0.7.0 ``replication/strategies.py``).
+
+    Same contract as upstream: all ranks of ``self.local_group`` call it; ``local_ckpt`` is left
+    hollow; returns ``(state_dicts, ids)`` with one entry per group rank (this rank's own primary
+    included), each holding plain tensors on ``self.target_device`` and the checksum record.
+
+    Args:
+        local_ckpt: this rank's ``TensorAwareStateDict`` (e.g. ``MCoreTensorAwareStateDict``);
+            its tensors may be quantized (dequantized here), non-contiguous (made contiguous) or
+            of any dtype (sent as bytes).
+        id_: this rank's checkpoint id.
+
+    Raises:
+        UnsupportedTensorError: on every rank, if any rank holds a tensor that cannot be stored
+            faithfully (``local_ckpt`` is restored, nothing is sent).
+        ChecksumMismatchError: on every rank, if any receiver got bytes that do not match the
+            owner's checksum; the message names key, sender rank and receiver rank. Raised before
+            ``LocalCheckpointManager.save`` writes any file.
+    """
+    group = self.local_group
+    target = self.target_device
+    bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
+    direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
+    depth = max(1, int(getattr(self, "pipeline_depth", DEFAULT_PIPELINE_DEPTH)))
+    device = comm_device(group)
+    me = group.my_group_rank
+    my_global = group.get_global_rank(me)
+
+    originals = list(local_ckpt.tensors)
+    names = _tensor_names(local_ckpt, len(originals))
+
+    # 1. metadata checks (cheap), then conversion + owner checksums, one tensor at a time.
+    errors = [r for (k, _), t in zip(names, originals) if (r := check_tensor(k, t)) is not None]
+    stored: List[torch.Tensor] = []
+    send_src: List[torch.Tensor] = []
+    entries = []
+    if not errors:
+        try:
+            for i, ((key, offset), t) in enumerate(zip(names, originals)):
+                s, _ = prepare_tensor(key, t, target)
+                h = _host_checksum(s)
+                entries.append(ck.make_entry(i, key, s, h, offset))
+                stored.append(s)
+                # A plain dense tensor already on the communication device is sent from its own
+                # memory even when the stored copy went to another device (no copy back).
+                if not is_quantized(t) and t.device == device and t.is_contiguous():
+                    send_src.append(t)
+                else:
+                    send_src.append(s)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            errors.append(f"{type(e).__name__}: {e}")
+            stored, send_src, entries = [], [], []
+
+    # 2. first collective: hollow state dicts with records, errors, ids.
+    local_ckpt.pop_tensors()
+    ck.attach_record(local_ckpt, None if errors else ck.make_record(my_global, entries))
+    try:
+        gathered = group.all_gather_object((local_ckpt, errors, id_))
+    finally:
+        ck.attach_record(local_ckpt, None)
+    all_errors = [
+        f"  rank {group.get_global_rank(r)}: {e}" for r, (_, errs, _) in enumerate(gathered) for e in errs
+    ]
+    if all_errors:
+        local_ckpt.insert_tensors(originals)
+        raise UnsupportedTensorError(
+            "local checkpoint replication refused before sending any data or writing any file "
+            f"(checkpoint id {id_}):\n" + "\n".join(all_errors)
+        )
+    hollows = [g[0] for g in gathered]
+    ids = [g[2] for g in gathered]
+    records = [ck.get_record(h) for h in hollows]
+    world = len(hollows)
+
+    # 3. transport
+    results: List[List[Optional[torch.Tensor]]] = [[None] * len(rec["entries"]) for rec in records]
+    results[me] = stored
+    recv_device = torch.device(target) if target is not None else device
+    remaining = [[e["nbytes"] for e in rec["entries"]] for rec in records]
+    mismatches: List[str] = []
+
+    def verify(r: int, i: int) -> None:
+        entry = records[r]["entries"][i]
+        m = ck.verify_tensor(entry, results[r][i], _host_checksum(results[r][i]))
+        if m is not None:
+            mismatches.append(
+                f"key '{entry['key']}' (tensor #{i}) sent by rank {group.get_global_rank(r)}, "
+                f"received by rank {my_global}: {m.detail} "
+                f"(owner {entry['checksum']:#018x}, received "
+                f"{'-' if m.actual is None else format(m.actual, '#018x')})"
+            )
+
+    def final(r: int, i: int) -> torch.Tensor:
+        t = results[r][i]
+        if t is None:
+            e = records[r]["entries"][i]
+            t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=recv_device)
+            results[r][i] = t
+        return t
+
+    for r in range(world):
+        if r == me:
+            continue
+        for i, n in enumerate(remaining[r]):
+            if n == 0:
+                final(r, i)
+                verify(r, i)
+
+    per_src = [
+        _plan_messages(r, [e["nbytes"] for e in rec["entries"]], bucket, direct_min)
+        for r, rec in enumerate(records)
+    ]
+    schedule = _interleave(per_src)
+    staging = _Staging(depth, bucket, device)
+    send_bytes = [None] * len(send_src)
+    inflight: collections.deque = collections.deque()
+
+    def src_bytes(i: int) -> torch.Tensor:
+        if send_bytes[i] is None:
+            send_bytes[i] = _byte_view(send_src[i])
+        return send_bytes[i]
+
+    def finish() -> None:
+        work, msg, buf, staged = inflight.popleft()
+        work.wait()
+        if msg.src == me:
+            return
+        for i, toff, length, moff in msg.pieces:
+            if staged:
+                _byte_view(final(msg.src, i))[toff:toff + length].copy_(buf[moff:moff + length])
+            remaining[msg.src][i] -= length
+            if remaining[msg.src][i] == 0:
+                verify(msg.src, i)
+
+    for k, msg in enumerate(schedule):
+        while len(inflight) >= depth:
+            finish()
+        slot = k % depth
+        if msg.src == me:
+            i, toff, length, _ = msg.pieces[0]
+            if msg.direct and send_src[i].device == device:
+                buf, staged = src_bytes(i)[toff:toff + length], False
+            else:
+                buf, staged = staging.get(slot, msg.size), True
+                for i, toff, length, moff in msg.pieces:
+                    buf[moff:moff + length].copy_(src_bytes(i)[toff:toff + length])
+        else:
+            i, toff, length, _ = msg.pieces[0]
+            if msg.direct and recv_device == device:
+                buf, staged = _byte_view(final(msg.src, i))[toff:toff + length], False
+            else:
+                buf, staged = staging.get(slot, msg.size), True
+        work = _broadcast(buf, group.get_global_rank(msg.src), group.group)
+        inflight.append((work, msg, buf, staged))
+    while inflight:
+        finish()
+    del staging, send_bytes
+
+    # 4. second collective: every receiver's verdict.
+    try:
+        _raise_everywhere(
+            group, mismatches, ChecksumMismatchError,
+            f"local checkpoint replication: replica bytes differ from the owner's checksums "
+            f"(checkpoint id {id_}); nothing was written:",
+        )
+    except ChecksumMismatchError:
+        local_ckpt.insert_tensors(originals)
+        raise
+
+    for r in range(world):
+        hollows[r].insert_tensors(results[r])
+    logger.debug(
+        "replicate %s: sent %d B in %d messages over %s",
+        id_, sum(e["nbytes"] for e in records[me]["entries"]), len(per_src[me]), device,
+    )
+    return hollows, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# retrieval
+# ---------------------------------------------------------------------------------------------
+
+
+def _verify_state_dict(sd: Any, what: str) -> List[str]:
+    try:
+        record = ck.get_record(sd)
+    except ValueError as e:
+        return [f"{what}: {e}"]
+    if record is None:
+        logger.warning(
+            "%s has no checksum record (written without megatron.fixes.replication); "
+            "loading it unverified", what,
+        )
+        return []
+    tensors = list(sd.tensors)
+    return [f"{what}: {m}" for m in ck.verify_record(record, tensors)]
+
+
+def _p2p_plan(tensors: Sequence[torch.Tensor], bucket: int, direct_min: int) -> List[_Message]:
+    return _plan_messages(0, [t.numel() * t.element_size() for t in tensors], bucket, direct_min)
+
+
+def _send_state_dict(self, sd: Any, dst: int, device: torch.device) -> None:
+    group = self.local_group
+    bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
+    direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
+    tensors = sd.pop_tensors()
+    try:
+        prepared = [prepare_tensor(f"tensor[{i}]", t)[0] for i, t in enumerate(tensors)]
+        group.send_object(sd, dst)
+        staging = _Staging(1, bucket, device)
+        views = [_byte_view(t) for t in prepared]
+        for msg in _p2p_plan(prepared, bucket, direct_min):
+            i, toff, length, _ = msg.pieces[0]
+            if msg.direct and prepared[i].device == device:
+                buf = views[i][toff:toff + length]
+            else:
+                buf = staging.get(0, msg.size)
+                for i, toff, length, moff in msg.pieces:
+                    buf[moff:moff + length].copy_(views[i][toff:toff + length])
+            dist.send(buf, dst, group=group.group)
+    finally:
+        sd.insert_tensors(tensors)
+
+
+def _recv_state_dict(self, src: int, device: torch.device) -> Any:
+    group = self.local_group
+    bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
+    direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
+    sd = group.recv_object(src)
+    sd.init_tensors()
+    tensors = list(sd.tensors)
+    views = [_byte_view(t) for t in tensors]
+    staging = _Staging(1, bucket, device)
+    for msg in _p2p_plan(tensors, bucket, direct_min):
+        i, toff, length, _ = msg.pieces[0]
+        if msg.direct and tensors[i].device == device:
+            dist.recv(views[i][toff:toff + length], src, group=group.group)
+            continue
+        buf = staging.get(0, msg.size)
+        dist.recv(buf, src, group=group.group)
+        for i, toff, length, moff in msg.pieces:
+            views[i][toff:toff + length].copy_(buf[moff:moff + length])
+    return sd
+
+
+def fixed_retrieve_execute(self, exchange_plan, my_data):
+    """Fixed ``CliqueReplicationStrategy.retrieve_execute`` (NVRx 0.7.0; upstream delegates to
+    ``GroupWrapper.execute_plan``, whose ``isend_state_dict`` / ``irecv_state_dict`` hardcode
+    CUDA).
+
+    All ranks of ``self.local_group`` call it with the same plan, as upstream.
+
+    Args:
+        exchange_plan: ``ExchangePlan`` from ``retrieve_plan``.
+        my_data: id -> state dict this rank loaded from disk (every id it must send).
+
+    Returns:
+        id -> state dict for the ids this rank receives (its own included).
+
+    Raises:
+        ChecksumMismatchError: on every rank, if a loaded file or a received state dict does not
+            match its checksum record (message names the checkpoint id, key and ranks).
+        AssertionError: data this rank must send is missing (as upstream).
+    """
+    group = self.local_group
+    me = group.my_global_rank
+    device = comm_device(group)
+    missing = exchange_plan.required_ids().difference(my_data.keys())
+    assert not missing, f"Not all required data provided! Missing ids: {missing}"
+
+    errors: List[str] = []
+    for id_ in sorted(exchange_plan.required_ids(), key=str):
+        sd = my_data[id_]
+        errors += _verify_state_dict(sd, f"local checkpoint {id_} loaded on rank {me}")
+        for i, t in enumerate(sd.tensors):
+            reason = check_tensor(f"tensor[{i}]", t)
+            if reason is not None:
+                errors.append(f"local checkpoint {id_} on rank {me}: {reason}")
+    _raise_everywhere(
+        group, errors, ChecksumMismatchError,
+        "local checkpoint load: a stored checkpoint does not match its checksums; it is not used:",
+    )
+
+    recv_buf = {}
+    received_errors: List[str] = []
+    for entry in exchange_plan.entries:
+        if entry.sender == me == entry.receiver:
+            recv_buf[entry.id_] = my_data[entry.id_]
+        elif entry.sender == me:
+            _send_state_dict(self, my_data[entry.id_], entry.receiver, device)
+        elif entry.receiver == me:
+            sd = _recv_state_dict(self, entry.sender, device)
+            received_errors += _verify_state_dict(
+                sd, f"local checkpoint {entry.id_} sent by rank {entry.sender}, received by rank {me}"
+            )
+            recv_buf[entry.id_] = sd
+    _raise_everywhere(
+        group, received_errors, ChecksumMismatchError,
+        "local checkpoint load: a checkpoint received from a peer does not match its checksums:",
+    )
+    return recv_buf
+
+
+# ---------------------------------------------------------------------------------------------
+# The strategy class
+# ---------------------------------------------------------------------------------------------
+
+if _UpstreamClique is not None:
+
+    class FixedCliqueReplicationStrategy(_UpstreamClique):
+        """``CliqueReplicationStrategy`` whose replicas equal their primaries, with per-tensor
+        checksums verified on save and on load, and peer retrieval over any backend.
+
+        Built exactly like upstream (``from_replication_params(J, F)`` or ``cls(group,
+        target_device)``). See the module docstring for the algorithm.
+
+        Args:
+            local_group: the clique (``torch.distributed.ProcessGroup`` or NVRx ``GroupWrapper``).
+            target_device: where received replicas are placed (upstream default ``"cpu"``);
+                ``None`` keeps them on the communication device.
+            bucket_bytes: staging bucket size and largest message, bytes (default 16 MiB).
+            direct_min_bytes: tensors at least this large are sent without a staging copy
+                (default 4 MiB).
+            pipeline_depth: messages in flight (default 2); staging memory is
+                ``pipeline_depth * bucket_bytes`` on the communication device.
+
+        Raises:
+            ValueError: a size or depth is not positive.
+        """
+
+        def __init__(
+            self,
+            local_group,
+            target_device="cpu",
+            *,
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES,
+            pipeline_depth: int = DEFAULT_PIPELINE_DEPTH,
+        ):
+            _UpstreamClique.__init__(self, local_group, target_device=target_device)
+            if bucket_bytes <= 0 or direct_min_bytes <= 0 or pipeline_depth <= 0:
+                raise ValueError(
+                    f"bucket_bytes ({bucket_bytes}), direct_min_bytes ({direct_min_bytes}) and "
+                    f"pipeline_depth ({pipeline_depth}) must be positive"
+                )
+            self.bucket_bytes = int(bucket_bytes)
+            self.direct_min_bytes = int(direct_min_bytes)
+            self.pipeline_depth = int(pipeline_depth)
+
+        replicate = fixed_replicate
+        retrieve_execute = fixed_retrieve_execute
+
+else:  # pragma: no cover - NVRx not installed
+    FixedCliqueReplicationStrategy = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability probe for upstream_behaves()
+# ---------------------------------------------------------------------------------------------
+
+
+class _ProbeQuantized(torch.Tensor):
+    """Storage-less wrapper subclass with its own ``dequantize``: int8 payload * scale."""
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor, scale: float):
+        self = torch.Tensor._make_wrapper_subclass(cls, payload.shape, dtype=torch.float32)
+        self._payload, self._scale = payload, scale
+        return self
+
+    def dequantize(self, *args, **kwargs):  # noqa: D401
+        return self._payload.to(torch.float32) * self._scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(x):
+            return x.dequantize() if isinstance(x, _ProbeQuantized) else x
+
+        args = torch.utils._pytree.tree_map(unwrap, args)
+        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        return func(*args, **kwargs)
+
+
+class _ProbeStateDict:
+    """Minimal TensorAwareStateDict for the probe (duck-typed)."""
+
+    def __init__(self, tensors):
+        self._tensors = list(tensors)
+        self._hollow = False
+
+    @property
+    def tensors(self):
+        return iter(self._tensors)
+
+    @property
+    def is_hollow(self):
+        return self._hollow
+
+    def pop_tensors(self):
+        out, self._tensors, self._hollow = self._tensors, [], True
+        return out
+
+    def insert_tensors(self, tensors):
+        self._tensors, self._hollow = list(tensors), False
+
+    def __getstate__(self):
+        return {"_tensors": [], "_hollow": self._hollow}
+
+
+class _RecordingGroup:
+    """One-rank stand-in for ``GroupWrapper`` that records what reaches the transport."""
+
+    world_size = 1
+    my_group_rank = 0
+    my_global_rank = 0
+    ranks = [0]
+    group = None
+    backend = "gloo"
+
+    def __init__(self):
+        self.handed: List[torch.Tensor] = []
+
+    def get_global_rank(self, group_rank=None):
+        return 0
+
+    def get_group_rank(self, global_rank=None):
+        return 0
+
+    def all_gather_object(self, obj):
+        return [pickle.loads(pickle.dumps(obj))]
+
+    def all_gather_batch(self, tensors, target_device=None):
+        self.handed = list(tensors)
+        return [[t for t in tensors]]
+
+
+def _upstream_handles_unfaithful_tensors() -> bool:
+    """Run upstream's ``replicate`` on the probe; True iff the transport got only plain, dense
+    tensors with the right values."""
+    if _UPSTREAM_REPLICATE is None:
+        return False
+    payload = torch.tensor([[1, -2, 3], [4, 5, -6]], dtype=torch.int8)
+    quantized = _ProbeQuantized(payload, 0.5)
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    strided = base[:, ::2]
+    expected = [quantized.dequantize(), strided.contiguous()]
+    strategy = _UpstreamClique.__new__(_UpstreamClique)
+    recorder = _RecordingGroup()
+    strategy.local_group = recorder
+    strategy.target_device = None
+    try:
+        _UPSTREAM_REPLICATE(strategy, _ProbeStateDict([quantized, strided]), "probe")
+    except Exception as e:  # noqa: BLE001 - changed internals: treat as not behaving
+        logger.debug("replication probe: upstream replicate raised %r", e)
+        return False
+    handed = recorder.handed
+    if len(handed) != len(expected):
+        return False
+    for got, want in zip(handed, expected):
+        if type(got) not in (torch.Tensor, torch.nn.Parameter) or not got.is_contiguous():
+            return False
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The fix
+# ---------------------------------------------------------------------------------------------
+
+
+class ReplicationFix(Fix):
+    """Installs :class:`FixedCliqueReplicationStrategy` (see the module docstring)."""
+
+    name = "replication"
+    title = "Local checkpoint replication: faithful, checksummed replicas; recovery over any backend"
+    upstream_refs = ("NVRx issue 349", "Megatron-LM issue 5281")
+    package = "nvidia-resiliency-ext"
+    supported = "==0.7.0"
+    patches = (
+        PatchSpec(
+            target=f"{_STRATEGIES}.CliqueReplicationStrategy",
+            replacement="megatron.fixes.replication.FixedCliqueReplicationStrategy",
+            why="pretrain() and from_replication_params (cls(...)) build the fixed subclass: "
+            "quantized tensors dequantized, every tensor sent as dense bytes, checksums verified",
+        ),
+        PatchSpec(
+            target=f"{_STRATEGIES}.CliqueReplicationStrategy.replicate",
+            replacement="megatron.fixes.replication.fixed_replicate",
+            why="strategies built from the class bound before apply() stop writing NaN replicas "
+            "of Transformer Engine quantized weights and non-dense views",
+        ),
+        PatchSpec(
+            target=f"{_STRATEGIES}.CliqueReplicationStrategy.retrieve_execute",
+            replacement="megatron.fixes.replication.fixed_retrieve_execute",
+            why="peer recovery verifies checksums and runs over gloo/CPU as well as NCCL "
+            "(upstream hardcodes .cuda())",
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        """True if the installed upstream ``replicate`` already hands the transport dequantized,
+        dense tensors (probe described in the module docstring)."""
+        return _upstream_handles_unfaithful_tensors()
+
+    def install(self, patcher: Patcher) -> None:
+        """Point the NVRx name and the upstream class's methods at the fixed implementation."""
+        if _strategies is None:  # pragma: no cover - apply() reports NOT_APPLICABLE first
+            raise RuntimeError("nvidia_resiliency_ext is not importable")
+        patcher.replace(_UpstreamClique, "replicate", fixed_replicate)
+        patcher.replace(_UpstreamClique, "retrieve_execute", fixed_retrieve_execute)
+        patcher.replace(_strategies, "CliqueReplicationStrategy", FixedCliqueReplicationStrategy)
+
+
+FIX = ReplicationFix()

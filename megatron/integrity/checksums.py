@@ -1,0 +1,340 @@
+"""Per-tensor checksums of local (non-persistent) checkpoints: definition, storage format, checks.
+
+Upstream megatron-core writes a per-file SHA-256 manifest for ``torch_dist`` checkpoints
+(``dist_checkpointing/validation.py``: ``save_integrity_manifest``); nothing equivalent exists for
+the local tier written by NVRx's ``LocalCheckpointManager``. This module defines the per-tensor
+checksums that :mod:`megatron.fixes.replication` computes on the rank that owns a shard, carries
+with the shard's metadata to every replica, verifies before any file is written, stores in every
+local checkpoint file (primary and replica) and verifies again when a file is loaded.
+
+Checksum of one tensor
+----------------------
+``tensor_checksum(t)`` is xxHash **XXH3_64** (seed 0, the ``xxhash`` package's
+``xxh3_64_intdigest``) of the tensor's *logical* bytes: its elements in row-major (C) order, each
+in the in-memory representation of ``t.dtype`` (little-endian on every platform PyTorch supports),
+without padding, strides or storage offset. Equivalently::
+
+    xxhash.xxh3_64_intdigest(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+A tensor with no elements hashes the empty byte string. The result is an ``int`` in
+``[0, 2**64)``. Two tensors have equal checksums when (with overwhelming probability) they have
+the same dtype byte-width and bytes; dtype and shape are recorded next to the checksum.
+
+Storage format (version 1)
+--------------------------
+A local checkpoint file is ``torch.save`` of a ``TensorAwareStateDict`` (in Megatron a
+``megatron.core.dist_checkpointing.tensor_aware_state_dict.MCoreTensorAwareStateDict``). The
+checksums are an instance attribute of that object, named :data:`CHECKSUM_ATTR`
+(``"_megatron_integrity"``), holding only builtin Python types (so no class of this package is
+needed to unpickle it)::
+
+    {
+        "format": "megatron.integrity.tensor_checksums",   # FORMAT_NAME
+        "version": 1,                                       # FORMAT_VERSION
+        "algorithm": "xxh3_64",                             # ALGORITHM
+        "owner_rank": 3,          # global rank whose shard the file holds (its primary rank)
+        "entries": [              # one per tensor, in the order of ``state_dict.tensors``
+            {
+                "index": 0,                    # position in ``state_dict.tensors``
+                "key": "decoder.layers.0.mlp.linear_fc1.weight",  # ShardedTensor.key, or
+                                                   # "tensor[i]" for other state dicts
+                "global_offset": [0, 0],       # ShardedTensor.global_offset, or None
+                "dtype": "bfloat16",           # str(torch dtype) without the "torch." prefix
+                "shape": [1024, 512],
+                "nbytes": 1048576,             # numel * element size
+                "checksum": 1234567890123,     # tensor_checksum() of the stored tensor
+            },
+            ...
+        ],
+    }
+
+To verify a file independently (what ``tools/verify_checkpoint.py`` does)::
+
+    sd = torch.load(path, weights_only=False)
+    record = get_record(sd)               # None: written without checksums
+    errors = verify_record(record, list(sd.tensors))   # [] when every tensor matches
+
+Tensors whose type defines its own ``dequantize`` (Transformer Engine quantized parameters) are
+stored dequantized to their nominal dtype by the replication fix, so the checksum is over the
+dequantized values that the file actually holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+try:
+    import xxhash
+except ImportError as e:  # pragma: no cover - declared dependency
+    raise ImportError(
+        "megatron.integrity needs the 'xxhash' package (pip install 'xxhash>=3.4')"
+    ) from e
+
+__all__ = [
+    "ALGORITHM",
+    "CHECKSUM_ATTR",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "ChecksumMismatchError",
+    "Mismatch",
+    "attach_record",
+    "checksum_bytes",
+    "dtype_name",
+    "get_record",
+    "make_entry",
+    "make_record",
+    "tensor_byte_view",
+    "tensor_checksum",
+    "verify_record",
+    "verify_tensor",
+]
+
+ALGORITHM = "xxh3_64"
+"""Name of the checksum algorithm stored in every record."""
+
+FORMAT_NAME = "megatron.integrity.tensor_checksums"
+FORMAT_VERSION = 1
+CHECKSUM_ATTR = "_megatron_integrity"
+"""Attribute of a ``TensorAwareStateDict`` that holds its checksum record."""
+
+
+class ChecksumMismatchError(RuntimeError):
+    """A tensor's bytes do not match the checksum computed by the rank that owns it.
+
+    Raised (on every rank of the replication group) when a replica received during a save, or a
+    local checkpoint read back from disk or from a peer, differs from what the owner checksummed.
+    ``mismatches`` holds the individual :class:`Mismatch` records.
+    """
+
+    def __init__(self, message: str, mismatches: Sequence["Mismatch"] = ()):
+        super().__init__(message)
+        self.mismatches = tuple(mismatches)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One tensor that failed verification.
+
+    Attributes:
+        key: the tensor's key (``ShardedTensor.key`` or ``tensor[i]``).
+        index: position in the state dict's ``tensors``.
+        expected: checksum stored by the owner (``None`` if the entry is missing).
+        actual: checksum of the bytes at hand (``None`` if the tensor is missing).
+        detail: why it failed (checksum, dtype, shape or count mismatch).
+    """
+
+    key: str
+    index: int
+    expected: Optional[int]
+    actual: Optional[int]
+    detail: str
+
+    def __str__(self) -> str:
+        exp = "-" if self.expected is None else f"{self.expected:#018x}"
+        act = "-" if self.actual is None else f"{self.actual:#018x}"
+        return f"'{self.key}' (tensor #{self.index}): {self.detail} (expected {exp}, got {act})"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form stored in records)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``torch.uint8`` view (no copy) of a dense tensor's bytes, on the tensor's device.
+
+    Args:
+        t: a plain (not wrapper-subclass), strided, C-contiguous tensor of any dtype and shape,
+            including 0-d and empty tensors.
+
+    Returns:
+        1-D ``uint8`` tensor of ``t.nbytes`` elements sharing memory with ``t``.
+
+    Raises:
+        ValueError: ``t`` is not contiguous or not strided.
+    """
+    if t.layout is not torch.strided:
+        raise ValueError(f"tensor_byte_view needs a strided tensor, got layout {t.layout}")
+    if not t.is_contiguous():
+        raise ValueError("tensor_byte_view needs a contiguous tensor; call .contiguous() first")
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.view(torch.uint8)
+
+
+def checksum_bytes(data: Any) -> int:
+    """XXH3_64 (seed 0) of a bytes-like object (``bytes``, ``memoryview``, C-contiguous numpy array).
+
+    Returns:
+        int in ``[0, 2**64)``.
+    """
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Checksum (XXH3_64, seed 0) of a tensor's logical bytes; see the module docstring.
+
+    Args:
+        t: a plain tensor of any dtype, shape and device. Non-contiguous tensors are hashed in
+            row-major element order (a contiguous copy is made); tensors not on the CPU are
+            copied to the CPU first. The hash itself runs without holding the GIL.
+
+    Returns:
+        int in ``[0, 2**64)``.
+
+    Raises:
+        TypeError: ``t`` is a tensor subclass with its own ``dequantize`` (a quantized tensor):
+            hash ``t.dequantize()`` instead, which is what checkpoints store.
+        ValueError: ``t`` is not strided (sparse, ...) or is on the ``meta`` device.
+    """
+    if type(t).dequantize is not torch.Tensor.dequantize:
+        raise TypeError(
+            f"tensor_checksum got a quantized tensor ({type(t).__name__}); hash its dequantize()"
+        )
+    if t.device.type == "meta":
+        raise ValueError("tensor_checksum: a meta tensor has no data")
+    if t.layout is not torch.strided:
+        raise ValueError(f"tensor_checksum needs a strided tensor, got layout {t.layout}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    view = tensor_byte_view(t)
+    if view.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(view.numpy())
+
+
+def make_entry(
+    index: int,
+    key: str,
+    t: torch.Tensor,
+    checksum: Optional[int] = None,
+    global_offset: Optional[Sequence[int]] = None,
+) -> dict:
+    """The record entry of one stored tensor (see the module docstring for the fields).
+
+    Args:
+        index: position of the tensor in the state dict's ``tensors``.
+        key: its key (``ShardedTensor.key`` or ``tensor[i]``).
+        t: the tensor as stored (plain, dequantized); only dtype/shape/nbytes are read unless
+            ``checksum`` is ``None``.
+        checksum: precomputed :func:`tensor_checksum` of ``t``; computed when ``None``.
+        global_offset: ``ShardedTensor.global_offset`` or ``None``.
+    """
+    return {
+        "index": int(index),
+        "key": str(key),
+        "global_offset": None if global_offset is None else [int(o) for o in global_offset],
+        "dtype": dtype_name(t.dtype),
+        "shape": [int(s) for s in t.shape],
+        "nbytes": int(t.numel() * t.element_size()),
+        "checksum": int(tensor_checksum(t) if checksum is None else checksum),
+    }
+
+
+def make_record(owner_rank: int, entries: Iterable[Mapping]) -> dict:
+    """A version-1 checksum record (see the module docstring).
+
+    Args:
+        owner_rank: global rank whose shard the record describes.
+        entries: from :func:`make_entry`, in ``tensors`` order.
+    """
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "algorithm": ALGORITHM,
+        "owner_rank": int(owner_rank),
+        "entries": [dict(e) for e in entries],
+    }
+
+
+def attach_record(state_dict: Any, record: Optional[Mapping]) -> None:
+    """Store ``record`` on a ``TensorAwareStateDict`` (``None`` removes it).
+
+    The record then travels with the object through pickling (``all_gather_object``,
+    ``torch.save``).
+    """
+    if record is None:
+        if hasattr(state_dict, CHECKSUM_ATTR):
+            delattr(state_dict, CHECKSUM_ATTR)
+        return
+    setattr(state_dict, CHECKSUM_ATTR, dict(record))
+
+
+def get_record(state_dict: Any) -> Optional[dict]:
+    """The checksum record of a ``TensorAwareStateDict``, or ``None`` if it has none.
+
+    Raises:
+        ValueError: the attribute exists but is not a record this version understands.
+    """
+    record = getattr(state_dict, CHECKSUM_ATTR, None)
+    if record is None:
+        return None
+    if (
+        not isinstance(record, Mapping)
+        or record.get("format") != FORMAT_NAME
+        or record.get("algorithm") != ALGORITHM
+        or not isinstance(record.get("entries"), list)
+    ):
+        raise ValueError(f"unrecognised checksum record on {type(state_dict).__name__}: {record!r:.200}")
+    if record.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"checksum record version {record.get('version')} is not supported "
+            f"(this code reads version {FORMAT_VERSION})"
+        )
+    return dict(record)
+
+
+def verify_tensor(entry: Mapping, t: torch.Tensor, checksum: Optional[int] = None) -> Optional[Mismatch]:
+    """Check one tensor against its record entry.
+
+    Args:
+        entry: from :func:`make_entry`.
+        t: the tensor to check (plain, any device).
+        checksum: precomputed :func:`tensor_checksum` of ``t`` (computed when ``None``).
+
+    Returns:
+        ``None`` if dtype, shape and checksum match, else a :class:`Mismatch`.
+    """
+    key, index = entry["key"], entry["index"]
+    if type(t).dequantize is not torch.Tensor.dequantize:
+        return Mismatch(key, index, entry["checksum"], None,
+                        f"stored tensor is quantized ({type(t).__name__}), expected a plain tensor")
+    if dtype_name(t.dtype) != entry["dtype"] or list(t.shape) != list(entry["shape"]):
+        return Mismatch(key, index, entry["checksum"], None,
+                        f"dtype/shape {dtype_name(t.dtype)}{list(t.shape)} differs from the "
+                        f"owner's {entry['dtype']}{list(entry['shape'])}")
+    actual = tensor_checksum(t) if checksum is None else checksum
+    if actual != entry["checksum"]:
+        return Mismatch(key, index, entry["checksum"], actual, "checksum mismatch")
+    return None
+
+
+def verify_record(record: Mapping, tensors: Sequence[torch.Tensor]) -> list[Mismatch]:
+    """Check every tensor of a state dict against its record.
+
+    Args:
+        record: from :func:`get_record`.
+        tensors: the state dict's tensors, in ``tensors`` order.
+
+    Returns:
+        The mismatches (empty when everything matches), including count mismatches.
+    """
+    entries = record["entries"]
+    out: list[Mismatch] = []
+    if len(entries) != len(tensors):
+        out.append(Mismatch("<state dict>", -1, None, None,
+                            f"{len(tensors)} tensors, the record lists {len(entries)}"))
+    for entry, t in zip(entries, tensors):
+        m = verify_tensor(entry, t)
+        if m is not None:
+            out.append(m)
+    return out
