@@ -1,0 +1,140 @@
+"""megatron.fixes.modelopt_moe: in-process checks (no process launch).
+
+Capability probe, install/reset, the CPU variant of ``_modelopt_get_extra_state`` and the layout
+planner that runs before ``dist_checkpointing.load``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron.fixes.modelopt_moe as mm
+
+
+@pytest.fixture
+def fix():
+    mm.FIX.reset()
+    yield mm.FIX
+    mm.FIX.reset()
+
+
+def _plugin():
+    from modelopt.torch.quantization.plugins import megatron as plugin
+
+    return plugin
+
+
+def test_modelopt_moe_probe_sees_dense_replica_ids_upstream(fix):
+    """0.47.0: an expert linear on ETP rank 1 (dense TP rank 0) gets replica_id[1] == 0."""
+    assert not torch.distributed.is_initialized()
+    rid = mm.probe_upstream_expert_replica_ids(_plugin()._MegatronParallelLinear.sharded_state_dict)
+    assert rid == (0, 0, 0)
+    assert fix.upstream_behaves() is False
+    assert not torch.distributed.is_initialized(), "probe leaked its private process group"
+
+
+def test_modelopt_moe_probe_accepts_a_fixed_upstream(fix):
+    """The probe recognises correct behaviour: run against the fixed method it reports ETP rank 1,
+    so a fixed upstream would make the fix stand aside."""
+    original = _plugin()._MegatronParallelLinear.sharded_state_dict
+    rid = mm.probe_upstream_expert_replica_ids(mm._wrap_linear_sharded_state_dict(original))
+    assert rid == (0, 1, 0)
+
+
+def test_modelopt_moe_install_and_reset(fix):
+    import megatron.core.dist_checkpointing as dc
+    import megatron.core.dist_checkpointing.serialization as ser
+    from modelopt.torch.opt.plugins import megatron as opt_plugin
+
+    plugin = _plugin()
+    originals = (plugin._MegatronParallelLinear.sharded_state_dict, ser.load, dc.load,
+                 opt_plugin._modelopt_get_extra_state)
+    assert fix.apply().value == "active"
+    assert fix.apply().value == "active"  # idempotent
+    assert plugin._MegatronParallelLinear.sharded_state_dict.__wrapped__ is originals[0]
+    assert ser.load.__wrapped__ is originals[1] and dc.load is ser.load
+    assert opt_plugin._modelopt_get_extra_state.__wrapped__ is originals[3]
+    fix.reset()
+    assert (plugin._MegatronParallelLinear.sharded_state_dict, ser.load, dc.load,
+            opt_plugin._modelopt_get_extra_state) == originals
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without CUDA")
+def test_modelopt_moe_extra_state_without_cuda(fix):
+    """Upstream's ``_modelopt_get_extra_state`` calls ``torch.cuda.synchronize()`` and fails on a
+    machine without CUDA (GUARD); with the fix the same state is serialised."""
+    from modelopt.torch.opt.plugins import megatron as opt_plugin
+    from modelopt.torch.utils import safe_load
+
+    def callback(module):
+        return {"modelopt_quantizer_state": {"weight_quantizer": {"num_bits": (4, 3), "axis": None}}}
+
+    upstream_module = torch.nn.Linear(2, 2)
+    opt_plugin.register_modelopt_extra_state_callbacks(upstream_module, callback, lambda m, s: None)
+    with pytest.raises(RuntimeError):
+        upstream_module.get_extra_state()
+
+    fix.apply()
+    module = torch.nn.Linear(2, 2)
+    opt_plugin.register_modelopt_extra_state_callbacks(module, callback, lambda m, s: None)
+    state = module.get_extra_state()
+    assert state.dtype == torch.uint8
+    assert safe_load(state.numpy().tobytes()) == callback(module)
+
+
+# ---- layout planner (pure) -----------------------------------------------------------------------
+
+
+def _st(key, shape, replica_id=0):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets(key, torch.zeros(shape), replica_id=replica_id)
+
+
+P = "decoder.layers.3.mlp.experts.experts."
+
+
+def test_modelopt_moe_plan_maps_legacy_shared_layout():
+    sd = {"model": {f"a{e}": _st(f"{P}{e}.linear_fc1.weight_quantizer._amax", (1,)) for e in (4, 5)}}
+    sd["model"]["w"] = _st(f"{P}4.linear_fc1.weight", (8, 4))
+    ckpt = {f"{P}linear_fc1.weight_quantizer._amax": ((1,), torch.float32),
+            f"{P}4.linear_fc1.weight": ((8, 4), torch.float32)}
+    plan = mm.plan_quantizer_layout(sd, ckpt)
+    assert plan.errors == []
+    assert list(plan.remaps) == [f"{P}linear_fc1.weight_quantizer._amax"]
+    assert [path for path, _ in plan.remaps[f"{P}linear_fc1.weight_quantizer._amax"].entries] == [
+        ("model", "a4"), ("model", "a5")]
+
+
+def test_modelopt_moe_plan_leaves_matching_and_absent_state_alone():
+    sd = {"x": _st(f"{P}0.linear_fc1.weight_quantizer._amax", (1,)),
+          "y": _st(f"{P}1.linear_fc1.input_quantizer._amax", (1,)),  # absent in every layout
+          "z": _st("decoder.layers.3.mlp.shared_experts.linear_fc1.weight_quantizer._amax", (1,))}
+    ckpt = {f"{P}0.linear_fc1.weight_quantizer._amax": ((1,), torch.float32)}
+    plan = mm.plan_quantizer_layout(sd, ckpt)
+    assert plan.errors == [] and plan.remaps == {}
+
+
+def test_modelopt_moe_plan_errors_name_key_and_both_layouts():
+    sd = {"a": _st(f"{P}2.linear_fc2.weight_quantizer._amax", (16, 1)),
+          "b": _st(f"{P}linear_fc1.input_quantizer._amax", (1,))}
+    ckpt = {f"{P}linear_fc2.weight_quantizer._amax": ((1, 4), torch.float32),
+            f"{P}0.linear_fc1.input_quantizer._amax": ((1,), torch.float32),
+            f"{P}1.linear_fc1.input_quantizer._amax": ((1,), torch.float32)}
+    plan = mm.plan_quantizer_layout(sd, ckpt, "/ckpt")
+    assert len(plan.errors) == 2
+    assert (f"model expects '{P}2.linear_fc2.weight_quantizer._amax' (per-expert layout, global "
+            f"shape (16, 1)), checkpoint /ckpt holds '{P}linear_fc2.weight_quantizer._amax' (one "
+            f"tensor shared by all experts of the linear, global shape (1, 4))") == plan.errors[0]
+    assert f"model expects '{P}linear_fc1.input_quantizer._amax'" in plan.errors[1]
+    assert "per-expert layout" in plan.errors[1] and "experts 0-1" in plan.errors[1]
+
+
+def test_modelopt_moe_expert_quantizer_sharded_tensor():
+    st = _st(f"{P}0.linear_fc1.weight_quantizer._amax", (4, 1), replica_id=(0, 0, 0))
+    split = mm.expert_quantizer_sharded_tensor(st, 0, tp_rank=1, tp_size=2, replica_rank=3)
+    assert (split.global_shape, split.global_offset, split.replica_id) == ((8, 1), (4, 0), (0, 0, 3))
+    assert split.data is st.data and split.key == st.key
+    rep = mm.expert_quantizer_sharded_tensor(st, None, tp_rank=1, tp_size=2, replica_rank=0)
+    assert (rep.global_shape, rep.global_offset, rep.replica_id) == ((4, 1), (0, 0), (0, 1, 0))
