@@ -14,12 +14,13 @@ ModelOpt adds its quantizer buffers (``_amax``, ``_global_amax``, ``_pre_quant_s
 
 Expert weights are sharded over the **expert** tensor-parallel group (ETP) and replicated over the
 **expert** data-parallel group (EDP). A quantizer tensor of an expert therefore gets
-``replica_id[1]`` = dense TP rank and, when split by channel/block, offsets over dense TP. Whenever
-TP != ETP the set of main replicas no longer covers the global tensor exactly once and
-``validate_sharding_integrity`` raises ``Invalid access pattern for ShardedTensor(key='...experts.
-experts.16.linear_fc1.weight_quantizer._amax' ...)`` on save, and on load under another topology.
-(TP=1/ETP=2: every cell written twice; TP=2/ETP=1/EP=2: half of the experts written by nobody;
-per-channel amax with TP != ETP: offsets over the wrong group, values scrambled.)
+``replica_id[1]`` = dense TP rank and, when split by channel/block, offsets over dense TP. The main
+replicas then no longer cover each global tensor exactly once and ``validate_sharding_integrity``
+raises ``Invalid access pattern for ShardedTensor(key='...experts.experts.16.linear_fc1.
+weight_quantizer._amax' ...)`` on save, and on load under another topology. Measured: ETP > TP ->
+every cell written twice; TP > ETP with EP > 1 -> the experts of some EP ranks written by nobody;
+channel/block-split amax with TP != ETP -> offsets over the wrong group. (TP > ETP with EP = 1 and
+per-tensor amax happens to pass.)
 
 What this fix does
 ------------------
@@ -768,7 +769,8 @@ class ModeloptMoeQuantizerShardingFix(Fix):
             target=f"{_PLUGIN}._MegatronParallelLinear.sharded_state_dict",
             replacement="megatron.fixes.modelopt_moe._wrap_linear_sharded_state_dict(original)",
             why="quantizer tensors of expert linears (sequential experts) were sharded over the "
-                "dense TP/DP groups instead of ETP/EDP: validation fails whenever TP != ETP",
+                "dense TP/DP groups instead of ETP/EDP: validation fails for ETP > TP, for "
+                "TP > ETP with EP > 1, and for channel-split amax with TP != ETP",
         ),
         PatchSpec(
             target=f"{_PLUGIN}._QuantMegatronTEGroupedLinear.sharded_state_dict (with TE only)",
