@@ -1,0 +1,105 @@
+"""Resume on the real entrypoint is bitwise: iterations 11-20 of a run resumed at 10 log exactly the
+losses and grad norms of an uninterrupted 20-iteration run (dropout on), for torch_dist, for local
+checkpoints (also after losing one rank's local directory: recovery from its replica) and for the
+distributed optimizer. A guard shows that without restoring the RNG states the same comparison
+fails, so bitwise equality is not an accident of a deterministic model."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+
+pytestmark = pytest.mark.slow
+
+RESUMED = range(11, 21)
+LOCAL = ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "5",
+         "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = run_pretrain(tmp_path_factory.mktemp("straight"))
+    assert sorted(run.losses) == list(range(1, 21))
+    return run.losses
+
+
+@pytest.fixture(scope="module")
+def straight_distopt(tmp_path_factory):
+    return run_pretrain(tmp_path_factory.mktemp("straight_do"), "--use-distributed-optimizer").losses
+
+
+def _first_half(workdir, *extra):
+    run = run_pretrain(workdir, "--save", str(workdir / "ckpt"), "--exit-interval", "10", *extra)
+    assert max(run.losses) == 10
+    return run
+
+
+def test_torch_dist_resume_is_bitwise(tmp_path, straight):
+    _first_half(tmp_path, "--save-interval", "10")
+    resumed = run_pretrain(tmp_path, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+                           "--save-interval", "10")
+    assert resumed.first_iteration() == 11
+    assert_bitwise_equal(straight, resumed.losses, RESUMED)
+
+
+def test_resume_without_rng_state_is_not_bitwise(tmp_path, straight):
+    """Guard: dropout draws from the CUDA RNG stand-in; not restoring it must change the losses."""
+    _first_half(tmp_path, "--save-interval", "10")
+    resumed = run_pretrain(tmp_path, "--load", str(tmp_path / "ckpt"), "--no-load-rng")
+    assert resumed.first_iteration() == 11
+    assert straight[11]["lm loss"] != resumed.losses[11]["lm loss"]
+
+
+def test_local_checkpoint_resume_and_replica_recovery_are_bitwise(tmp_path, straight):
+    run_dir = tmp_path / "run"
+    _first_half(run_dir, "--save-interval", "1000", "--non-persistent-local-ckpt-dir",
+                str(run_dir / "local"), *LOCAL)
+    assert not list((run_dir / "ckpt").glob("iter_*")), "no persistent checkpoint may exist at 10"
+    for name, lose_rank in (("intact", None), ("rank1_lost", 1)):
+        work = tmp_path / name
+        shutil.copytree(run_dir, work)
+        local = work / "local"
+        assert sorted(p.name for p in (local / "1").iterdir()) == ["iter_0000010_0_local.pt",
+                                                                    "iter_0000010_1_local.pt"]
+        if lose_rank is not None:
+            shutil.rmtree(local / str(lose_rank))
+        resumed = run_pretrain(work, "--save", str(work / "ckpt"), "--load", str(work / "ckpt"),
+                               "--save-interval", "1000", "--non-persistent-local-ckpt-dir", str(local),
+                               *LOCAL)
+        assert resumed.first_iteration() == 11, f"{name}: did not resume from the local checkpoint"
+        assert_bitwise_equal(straight, resumed.losses, RESUMED)
+
+
+def test_distributed_optimizer_resume_is_bitwise(tmp_path, straight_distopt):
+    _first_half(tmp_path, "--save-interval", "10", "--use-distributed-optimizer")
+    resumed = run_pretrain(tmp_path, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+                           "--save-interval", "10", "--use-distributed-optimizer")
+    assert resumed.first_iteration() == 11
+    assert_bitwise_equal(straight_distopt, resumed.losses, RESUMED)
+
+
+def test_async_save_resume_is_bitwise(tmp_path, straight):
+    _first_half(tmp_path, "--save-interval", "5", "--async-save")
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    resumed = run_pretrain(tmp_path, "--load", str(tmp_path / "ckpt"), "--async-save")
+    assert resumed.first_iteration() == 11
+    assert_bitwise_equal(straight, resumed.losses, RESUMED)
+
+
+def test_indexed_dataset_trains(tmp_path):
+    """tools/preprocess_data.py output feeds --data-path with NullTokenizer/257."""
+    import sysconfig
+
+    from tools.preprocess_data import build
+
+    stats = build(sysconfig.get_paths()["stdlib"] + "/json", str(tmp_path / "data" / "corpus"), "*.py",
+                  progress=False)
+    assert stats["documents"] >= 4 and stats["tokens"] > 10_000
+    run = run_pretrain(tmp_path, "--data-path", str(tmp_path / "data" / "corpus"), "--split", "98,1,1",
+                       "--train-iters", "5", mock=False)
+    assert sorted(run.losses) == [1, 2, 3, 4, 5]
+    first = float.fromhex(run.losses[1]["lm loss"])
+    assert 4.0 < first < 7.0, first  # ~ln(257) at init: byte tokens, not garbage ids

@@ -1,0 +1,88 @@
+"""megatron.cpu.runtime: CUDA device arguments map to CPU, and the CUDA RNG stand-in is a separate,
+restorable stream that dropout draws from (the basis of bitwise resume with dropout)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import threading, torch
+    from megatron.cpu import runtime
+    runtime.activate(); runtime.activate()  # idempotent
+
+    # devices
+    assert torch.empty(2, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
+    x = torch.ones(3).cuda()
+    assert x.device.type == "cpu" and x.to("cuda:0").device.type == "cpu"
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.cuda.device_count() == 1
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record(); ev1.record(); assert ev0.elapsed_time(ev1) >= 0
+
+    # in a new thread and inside a custom backward, where torch function modes are normally off
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.zeros(1, device="cuda").device.type)); t.start(); t.join()
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a): return a * 2
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(torch.zeros(1, device="cuda").device.type); return g * 2
+    F.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == ["cpu", "cpu"], seen
+
+    # the CUDA RNG stand-in: dropout draws from it, not from the CPU generator (torch.manual_seed
+    # seeds both, as on a GPU, so seed the CPU first)
+    drop = torch.nn.functional.dropout
+    torch.manual_seed(1); torch.cuda.manual_seed(7)
+    a = drop(torch.ones(1000), 0.5)
+    torch.manual_seed(2); torch.cuda.manual_seed(7)     # other CPU seed: same mask
+    b = drop(torch.ones(1000), 0.5)
+    assert torch.equal(a, b)
+    torch.manual_seed(1); torch.cuda.manual_seed(8)     # other CUDA seed: other mask
+    c = drop(torch.ones(1000), 0.5)
+    assert not torch.equal(a, c)
+    state = torch.cuda.get_rng_state()
+    d = drop(torch.ones(1000), 0.5)
+    torch.cuda.set_rng_state(state)
+    e = drop(torch.ones(1000), 0.5)
+    assert torch.equal(d, e)
+    cpu_before = torch.get_rng_state()
+    drop(torch.ones(1000), 0.5)
+    assert torch.equal(cpu_before, torch.get_rng_state()), "dropout must not consume the CPU stream"
+    print("OK")
+    """
+)
+
+
+def test_cpu_runtime_in_subprocess():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-4000:]
+
+
+GUARD = textwrap.dedent(
+    """
+    import torch
+    try:
+        torch.empty(2, device="cuda")
+    except (RuntimeError, AssertionError) as e:
+        print("FAILS", type(e).__name__)
+    """
+)
+
+
+def test_guard_without_runtime_cuda_calls_fail():
+    """Guard: on this machine upstream's CUDA calls fail without the runtime, so the test above
+    proves the runtime does the work."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a GPU is present")
+    out = subprocess.run([sys.executable, "-c", GUARD], capture_output=True, text=True, timeout=300)
+    assert "FAILS" in out.stdout, out.stdout + out.stderr[-2000:]

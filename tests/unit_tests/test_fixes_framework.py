@@ -1,0 +1,105 @@
+"""megatron.fixes: apply() is idempotent and reversible, guards unsupported versions, stands aside
+for an upstream that behaves, and can leave named fixes out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+import megatron.fixes as fixes
+from megatron.fixes.base import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
+
+
+class _Fake(Fix):
+    name = "fake"
+    title = "fake fix for tests"
+    upstream_refs = ("test",)
+    package = "megatron-core"
+    supported = "==0.19.2"
+    patches = (PatchSpec("target.attr", "replacement", "why"),)
+
+    def __init__(self, behaves=False, supported=None, package=None):
+        super().__init__()
+        self.behaves = behaves
+        self.installs = 0
+        self.target = types.SimpleNamespace(attr="original")
+        if supported:
+            self.supported = supported
+        if package:
+            self.package = package
+
+    def upstream_behaves(self):
+        return self.behaves
+
+    def install(self, patcher):
+        self.installs += 1
+        patcher.replace(self.target, "attr", "patched")
+
+
+def test_apply_is_idempotent_and_reset_restores():
+    fix = _Fake()
+    assert fix.apply() is FixStatus.ACTIVE
+    assert fix.apply() is FixStatus.ACTIVE
+    assert fix.installs == 1 and fix.target.attr == "patched"
+    fix.reset()
+    assert fix.target.attr == "original" and fix.status is FixStatus.NOT_APPLIED
+
+
+def test_unsupported_version_is_a_clear_error():
+    fix = _Fake(supported="==0.1.0")
+    with pytest.raises(UnsupportedUpstreamError, match=r"megatron-core==0\.1\.0.*0\.19\.2 is installed"):
+        fix.apply()
+    assert fix.installs == 0 and fix.target.attr == "original"
+
+
+def test_stands_aside_when_upstream_behaves():
+    fix = _Fake(behaves=True, supported="==0.1.0")  # even outside the pin: nothing to fix
+    assert fix.apply() is FixStatus.STANDS_ASIDE
+    assert fix.installs == 0 and fix.target.attr == "original"
+
+
+def test_missing_package_is_not_applicable():
+    fix = _Fake(package="no-such-distribution-xyz")
+    assert fix.apply() is FixStatus.NOT_APPLICABLE and fix.installs == 0
+
+
+def test_registry_apply_twice_patches_once(monkeypatch):
+    monkeypatch.delenv(fixes.DISABLE_ENV, raising=False)
+    first = fixes.apply()
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = DistributedOptimizer.state_dict
+    second = fixes.apply()
+    assert first == second and all(s is FixStatus.ACTIVE for s in first.values()), first
+    assert DistributedOptimizer.state_dict is patched
+    assert {"replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume"} <= set(first)
+
+
+def test_disable_env_names_are_checked(monkeypatch):
+    monkeypatch.setenv(fixes.DISABLE_ENV, "no_such_fix")
+    with pytest.raises(ValueError, match="unknown fixes"):
+        fixes.apply()
+
+
+def test_every_fix_declares_its_patches_and_targets_the_pins():
+    import importlib.metadata as md
+
+    for fix in fixes.fixes():
+        assert fix.patches and fix.upstream_refs and fix.title
+        version = md.version(fix.package)
+        assert fix.version_supported(version), (fix.name, fix.supported, version)
+        # The pinned upstream still has each defect: a fix that stood aside here would mean the
+        # guard tests no longer prove anything.
+        assert not fix.upstream_behaves(), f"{fix.name}: pinned upstream already behaves?"
+
+
+def test_cli_lists_fixes():
+    out = subprocess.run([sys.executable, "-m", "megatron.fixes"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume"):
+        assert f"{name}:" in out.stdout
+    assert out.stdout.count("status:    active") == 4
