@@ -27,9 +27,10 @@ TINY_GPT = (
 ).split()
 
 
-def device() -> str:
-    """'cuda' when the tests are asked to use the GPU and one is present, else 'cpu'."""
-    if os.environ.get("MEGATRON_TEST_DEVICE") == "cuda":
+def device(env: dict | None = None) -> str:
+    """'cuda' when asked for (``MEGATRON_TEST_DEVICE=cuda`` in ``env`` or the environment) and a
+    GPU is present, else 'cpu'."""
+    if (env or {}).get("MEGATRON_TEST_DEVICE", os.environ.get("MEGATRON_TEST_DEVICE")) == "cuda":
         import torch
 
         if torch.cuda.is_available():
@@ -60,8 +61,13 @@ def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, l
         log.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(ENTRY)]
-    if device() == "cpu":
+    if device(env) == "cpu":
         cmd.append("--cpu")
+    else:
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            cmd += ["--transformer-impl", "local"]
     cmd += TINY_GPT + (["--mock-data"] if mock else []) + list(args) + ["--loss-log", str(log)]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
                 "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
