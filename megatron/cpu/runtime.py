@@ -324,6 +324,9 @@ MEGATRON_PATCHES = (
               "the wheel ships helpers_cpp prebuilt and no Makefile; `make` fails"),
     PatchSpec("megatron.core.tensor_parallel.random._lazy_call", "calls the callback at once",
               "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever"),
+    PatchSpec("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu (and its binding in "
+              "token_dispatcher)", "same, but as_numpy also converts tensors already on CPU",
+              "MoE all-to-all split sizes stay tensors when is_cuda is False (moe_utils.py:1184)"),
 )
 
 
@@ -364,6 +367,21 @@ def _install_megatron_patches(p: Patcher) -> None:
 
     p.replace(ds_utils, "compile_helpers", compile_helpers)
     p.replace(tp_random, "_lazy_call", lambda cb: cb())
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    upstream_move = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(upstream_move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            _log_once("maybe_move_tensor_to_cpu(as_numpy) on a CPU tensor")
+            return tensor.numpy()
+        return upstream_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    p.replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    p.replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 # ----------------------------------------------------------------------------------------------
