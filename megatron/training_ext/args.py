@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 logger = logging.getLogger("megatron.training_ext")
 
@@ -75,6 +76,8 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
         if not any(a == entry[0] or a.startswith(entry[0] + "=") for a in argv):
             argv.extend(entry)
             added.append(" ".join(entry))
+    # Upstream asserts it for TP/CP (a CUDA scheduling knob; meaningless on CPU).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron.cpu import runtime
 
     runtime.activate()
@@ -92,11 +95,23 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--loss-log", default=None, metavar="PATH",
                        help="Append each iteration's reduced training losses and grad norm to PATH "
                             "as JSON lines, exact (float.hex) and decimal; written by the last rank.")
+    group.add_argument("--restore-modelopt-state", action="store_true",
+                       help="Before loading --load (torch_dist), restore the ModelOpt state it holds "
+                            "(<ckpt>/modelopt_state, e.g. written by tools/quantize.py) into the "
+                            "freshly built model, so quantizers load and train under any TP/EP/ETP. "
+                            "Upstream 0.19.2 lacks this step (megatron.post_training).")
     return parser
 
 
 def validate_fork_args(args: argparse.Namespace) -> None:
     """Cross-check this fork's flags against upstream's; raises ``SystemExit`` with the reason."""
+    if getattr(args, "restore_modelopt_state", False):
+        if args.ckpt_format != "torch_dist":
+            raise SystemExit(f"--restore-modelopt-state needs --ckpt-format torch_dist "
+                             f"(got {args.ckpt_format})")
+        if args.virtual_pipeline_model_parallel_size is not None:
+            raise SystemExit("--restore-modelopt-state: ModelOpt state does not support virtual "
+                             "pipeline parallelism")
 
 
 def install_training_hooks(args: argparse.Namespace) -> None:
