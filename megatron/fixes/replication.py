@@ -15,8 +15,10 @@ the transport cannot carry as one dense block of memory in a dtype the backend s
   ``c10d::broadcast_`` (not a mutable-schema op) on a dequantized temporary, so the received values
   are thrown away and the replica file holds NaN/garbage; builds whose pickling drops the
   quantizer crash with ``AttributeError`` on ``make_empty`` instead.
-* non-dense views (``x[:, ::2]``, ``x.t()``): sent as raw memory from ``data_ptr`` -> silently
-  wrong values; ``float8_*`` / ``uint16`` tensors on gloo: ``Invalid scalar type``.
+* non-dense views (``x[:, ::2]``, ``x[1:, 1::3]``): sent as raw memory from ``data_ptr`` into a
+  dense receive buffer -> silently wrong values (dense permuted views such as ``x.t()`` and
+  contiguous offset views happen to survive); ``float8_*`` / ``uint16`` tensors on gloo:
+  ``Invalid scalar type``.
 * retrieval from a peer (``GroupWrapper.isend_state_dict`` / ``irecv_state_dict``) hardcodes
   ``.cuda()`` and ``'cuda'`` buffers: recovery cannot run over a CPU/gloo group.
 
@@ -42,24 +44,29 @@ before ``apply()`` is fixed too. Nothing else of upstream is touched.
    (detected as ``type(t).dequantize is not torch.Tensor.dequantize``) is dequantized to its
    nominal dtype (``t.dtype``); a non-contiguous tensor is made contiguous; a tensor on another
    device than ``target_device`` is copied there. Plain contiguous tensors are used as they are
-   (no copy). The owner computes the tensor's checksum
-   (:func:`megatron.integrity.checksums.tensor_checksum`) and keeps the converted tensor as the
-   primary's data, so primary and replicas hold the same values.
+   (no copy). The converted tensor becomes the primary's data, so primary and replicas hold the
+   same values. The hollow state dicts, with each tensor's key/dtype/shape/size, are gathered.
 3. The transport never hands ``dist`` anything but flat ``uint8`` tensors: every dtype
    (``float8_*``, ``uint16``, ``bool``, complex, ...) travels as its bytes. Small tensors are
-   coalesced into staging buckets of ``bucket_bytes``; large ones are broadcast straight from /
-   into their own memory in chunks of at most ``bucket_bytes``. Messages of all owners are
-   interleaved round-robin and ``pipeline_depth`` of them are in flight at once, so on a group of
-   two both directions are used. Peak extra memory: ``pipeline_depth * bucket_bytes`` of staging
-   on the communication device plus the tensor being converted; never a second copy of the model.
-4. Each receiver checksums every tensor as soon as its last byte arrives (while the next messages
-   are in flight) and compares with the owner's checksum, carried in the owner's hollow state
-   dict. A final collective gathers every receiver's verdict: on any mismatch every rank raises
+   coalesced by the owner into staging buckets of ``bucket_bytes``; large ones are broadcast
+   straight from their own memory in chunks of at most ``bucket_bytes``. A receiver keeps each
+   owner's replicas in flat per-dtype segments of at most ``bucket_bytes`` (the replica tensors
+   are views of them; ``torch.save`` writes each segment once), so every message is received in
+   place: no per-tensor allocation, no unpacking copy. Messages of all owners are interleaved
+   round-robin and ``pipeline_depth`` of them are in flight at once, so on a group of two both
+   directions are used. Peak extra memory: ``pipeline_depth * bucket_bytes`` of staging on the
+   communication device plus the tensor being converted; never a second copy of the model.
+4. Checksums (:func:`megatron.integrity.checksums.tensor_checksum`, XXH3-64): the owner hashes
+   each stored tensor right after posting the message that carries its last byte, a receiver
+   hashes each tensor as soon as its last byte has arrived; both overlap with the messages in
+   flight. A second collective exchanges the owners' and the receivers' checksums and every rank
+   compares every (owner, receiver, tensor): on any mismatch every rank raises
    :class:`~megatron.integrity.checksums.ChecksumMismatchError` naming key, sender rank and
    receiver rank, before ``LocalCheckpointManager.save`` writes a file, so no file is written.
-5. The checksum record is stored in every returned state dict (primary and replicas), i.e. in
-   every local checkpoint file; format in :mod:`megatron.integrity.checksums` (attribute
-   ``_megatron_integrity`` of the pickled ``TensorAwareStateDict``).
+5. The owner's checksums are put into the checksum record of every returned (hollow, then
+   filled) state dict, primary and replicas, so they are stored in every local checkpoint file;
+   format in :mod:`megatron.integrity.checksums` (attribute ``_megatron_integrity`` of the
+   pickled ``TensorAwareStateDict``).
 
 ``retrieve_execute`` (``LocalCheckpointManager.load()`` with replication):
 
@@ -89,7 +96,9 @@ Not covered: load paths that bypass the replication strategy (``LocalCheckpointM
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
+import math
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
@@ -247,9 +256,17 @@ def prepare_tensor(
     return out, converted
 
 
-def _host_checksum(t: torch.Tensor) -> int:
-    """Checksum of a plain contiguous tensor (copied to the CPU first if needed)."""
-    return ck.tensor_checksum(t)
+_DTYPES = {
+    ck.dtype_name(d): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    return ck.dtype_name(dtype) if name is None else name
 
 
 def _tensor_names(state_dict: Any, count: int) -> List[Tuple[str, Optional[Tuple[int, ...]]]]:
@@ -293,43 +310,110 @@ def comm_device(group_wrapper: Any) -> torch.device:
 
 @dataclass
 class _Message:
-    """One transfer of ``size`` bytes from one owner: pieces ``(tensor, tensor_off, length,
-    message_off)``. ``direct`` when it is one slice of one tensor (no staging copy needed)."""
+    """One transfer of ``size`` bytes from owner ``src``.
+
+    On the receiver it is the byte range ``[start, start + size)`` of the owner's receive segment
+    ``group`` (see :func:`_segments`); on the owner it is assembled from ``pieces``
+    ``(tensor, tensor_byte_offset, length, message_byte_offset)``. ``direct`` when it is one slice
+    of one tensor (sent without a staging copy)."""
 
     src: int
     size: int
     pieces: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    group: int = 0
+    start: int = 0
 
     @property
     def direct(self) -> bool:
         return len(self.pieces) == 1 and self.pieces[0][2] == self.size
 
 
-def _plan_messages(src: int, sizes: Sequence[int], bucket_bytes: int, direct_min: int) -> List[_Message]:
-    """Split one owner's tensors (byte sizes) into messages of at most ``bucket_bytes``."""
+def _plan_messages(
+    src: int,
+    sizes: Sequence[int],
+    bucket_bytes: int,
+    direct_min: int,
+    groups: Optional[Sequence[Sequence[int]]] = None,
+) -> List[_Message]:
+    """Split one owner's tensors into messages of at most ``bucket_bytes``.
+
+    Args:
+        sizes: byte size of each tensor.
+        groups: tensor indices per group; each group is laid out back to back (in the given
+            order) in one flat buffer on the receiver. ``None``: one group of all tensors.
+            A message never spans two groups.
+        direct_min: tensors at least this large get messages of their own (chunks of at most
+            ``bucket_bytes``); smaller consecutive tensors of a group share a message.
+    """
+    if groups is None:
+        groups = [range(len(sizes))]
     out: List[_Message] = []
-    pending: Optional[_Message] = None
-    for i, n in enumerate(sizes):
-        if n == 0:
-            continue
-        if n >= direct_min:
-            if pending is not None:
+    for g, members in enumerate(groups):
+        pos = 0
+        pending: Optional[_Message] = None
+        for i in members:
+            n, off = sizes[i], pos
+            pos += n
+            if n == 0:
+                continue
+            if n >= direct_min:
+                if pending is not None:
+                    out.append(pending)
+                    pending = None
+                for c in range(0, n, bucket_bytes):
+                    length = min(bucket_bytes, n - c)
+                    out.append(_Message(src, length, [(i, c, length, 0)], g, off + c))
+                continue
+            if pending is not None and off + n - pending.start > bucket_bytes:
                 out.append(pending)
                 pending = None
-            for off in range(0, n, bucket_bytes):
-                length = min(bucket_bytes, n - off)
-                out.append(_Message(src, length, [(i, off, length, 0)]))
-            continue
-        if pending is not None and pending.size + n > bucket_bytes:
+            if pending is None:
+                pending = _Message(src, 0, [], g, off)
+            pending.pieces.append((i, 0, n, off - pending.start))
+            pending.size = off + n - pending.start
+        if pending is not None:
             out.append(pending)
-            pending = None
-        if pending is None:
-            pending = _Message(src, 0)
-        pending.pieces.append((i, 0, n, pending.size))
-        pending.size += n
-    if pending is not None:
-        out.append(pending)
     return out
+
+
+def _segments(
+    entries: Sequence[Mapping], max_bytes: int
+) -> Tuple[List[List[int]], List[str], List[int], List[int]]:
+    """Lay one owner's tensors out in flat receive buffers ("segments").
+
+    A segment holds consecutive tensors (in record order) of one dtype, at most ``max_bytes``
+    together; a larger tensor gets a segment of its own. Segments stay below glibc's mmap
+    threshold cap (32 MiB), so buffers freed after a save are reused instead of being faulted
+    in again page by page, and ``torch.save`` writes each segment once (its tensors are views).
+
+    Returns:
+        (tensor indices per segment, dtype name per segment, byte offset of each tensor in its
+        segment, total bytes per segment).
+    """
+    open_seg: dict = {}
+    groups: List[List[int]] = []
+    dtypes: List[str] = []
+    totals: List[int] = []
+    offsets = [0] * len(entries)
+
+    def new_segment(dtype: str) -> int:
+        groups.append([])
+        dtypes.append(dtype)
+        totals.append(0)
+        return len(groups) - 1
+
+    for i, e in enumerate(entries):
+        n, dtype = e["nbytes"], e["dtype"]
+        if n >= max_bytes:
+            g = new_segment(dtype)
+        else:
+            g = open_seg.get(dtype)
+            if g is None or totals[g] + n > max_bytes:
+                g = open_seg[dtype] = new_segment(dtype)
+        groups[g].append(i)
+        offsets[i] = totals[g]
+        totals[g] += n
+    return groups, dtypes, offsets, totals
 
 
 def _interleave(per_src: Sequence[List[_Message]]) -> List[_Message]:
@@ -385,6 +469,25 @@ def _raise_everywhere(group_wrapper: Any, my_errors: List[str], exc_type, header
 # ---------------------------------------------------------------------------------------------
 
 
+def _cpu_checksum(ptr: int, nbytes: int) -> int:
+    """:func:`megatron.integrity.checksums.tensor_checksum` of a plain contiguous CPU tensor,
+    given its ``data_ptr()`` and byte size (no tensor ops: the per-tensor hot path)."""
+    if nbytes == 0:
+        return _EMPTY_CHECKSUM
+    return ck.checksum_bytes((ctypes.c_char * nbytes).from_address(ptr))
+
+
+_EMPTY_CHECKSUM = ck.checksum_bytes(b"")
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _stored_checksum(t: torch.Tensor) -> int:
+    """Checksum of a prepared (plain, contiguous) tensor; tests may wrap it."""
+    if t.is_cpu:
+        return _cpu_checksum(t.data_ptr(), t.numel() * t.element_size())
+    return ck.tensor_checksum(t)
+
+
 def fixed_replicate(self, local_ckpt, id_):
     """Fixed ``CliqueReplicationStrategy.replicate`` (NVRx 0.7.0 ``replication/strategies.py``).
 
@@ -406,7 +509,7 @@ def fixed_replicate(self, local_ckpt, id_):
             ``LocalCheckpointManager.save`` writes any file.
     """
     group = self.local_group
-    target = self.target_device
+    target = None if self.target_device is None else torch.device(self.target_device)
     bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
     direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
     depth = max(1, int(getattr(self, "pipeline_depth", DEFAULT_PIPELINE_DEPTH)))
@@ -417,29 +520,50 @@ def fixed_replicate(self, local_ckpt, id_):
     originals = list(local_ckpt.tensors)
     names = _tensor_names(local_ckpt, len(originals))
 
-    # 1. metadata checks (cheap), then conversion + owner checksums, one tensor at a time.
-    errors = [r for (k, _), t in zip(names, originals) if (r := check_tensor(k, t)) is not None]
+    # 1. owner: metadata check and conversion, one tensor at a time. Once a tensor is refused,
+    #    the rest is only checked (nothing more is converted).
+    errors: List[str] = []
     stored: List[torch.Tensor] = []
     send_src: List[torch.Tensor] = []
-    entries = []
-    if not errors:
-        try:
-            for i, ((key, offset), t) in enumerate(zip(names, originals)):
+    entries: List[dict] = []
+    for i, ((key, offset), t) in enumerate(zip(names, originals)):
+        if type(t) in _PLAIN_TYPES and t.is_contiguous() and (target is None or t.device == target):
+            if t.device.type == "meta":  # the only refusal a plain dense tensor can hit
+                errors.append(check_tensor(key, t))
+                continue
+            s = t  # the common case: stored and sent as it is
+        else:
+            reason = check_tensor(key, t)
+            if reason is not None:
+                errors.append(reason)
+                continue
+            if errors:
+                continue
+            try:
                 s, _ = prepare_tensor(key, t, target)
-                h = _host_checksum(s)
-                entries.append(ck.make_entry(i, key, s, h, offset))
-                stored.append(s)
-                # A plain dense tensor already on the communication device is sent from its own
-                # memory even when the stored copy went to another device (no copy back).
-                if not is_quantized(t) and t.device == device and t.is_contiguous():
-                    send_src.append(t)
-                else:
-                    send_src.append(s)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            errors.append(f"{type(e).__name__}: {e}")
-            stored, send_src, entries = [], [], []
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                errors.append(f"tensor '{key}': {type(e).__name__}: {e}")
+                continue
+        if errors:
+            continue
+        entries.append({
+            "index": i,
+            "key": key,
+            "global_offset": None if offset is None else list(offset),
+            "dtype": _dtype_name(s.dtype),
+            "shape": list(s.shape),
+            "nbytes": s.numel() * s.element_size(),
+            "checksum": None,  # filled in below, while the bytes are on the wire
+        })
+        stored.append(s)
+        # A plain dense tensor already on the communication device is sent from its own memory
+        # even when the stored copy went to another device (no copy back).
+        if s is not t and type(t) in _PLAIN_TYPES and t.device == device and t.is_contiguous():
+            send_src.append(t)
+        else:
+            send_src.append(s)
 
-    # 2. first collective: hollow state dicts with records, errors, ids.
+    # 2. first collective: hollow state dicts with the tensor metadata, errors, ids.
     local_ckpt.pop_tensors()
     ck.attach_record(local_ckpt, None if errors else ck.make_record(my_global, entries))
     try:
@@ -460,65 +584,76 @@ def fixed_replicate(self, local_ckpt, id_):
     records = [ck.get_record(h) for h in hollows]
     world = len(hollows)
 
-    # 3. transport
+    # 3. transport. The owner checksums each of its tensors right after the message carrying its
+    #    last byte is posted; a receiver checksums each tensor as soon as its last byte arrives.
+    #    Both overlap with the messages in flight. A receiver holds each owner's replicas in flat
+    #    per-dtype buffers of at most ``bucket`` bytes (the tensors are views of them), so
+    #    messages land in place: no per-tensor allocation and no unpacking copy.
+    recv_device = target if target is not None else device
+    recv_cpu = recv_device.type == "cpu"
+    layouts = [_segments(rec["entries"], bucket) for rec in records]
     results: List[List[Optional[torch.Tensor]]] = [[None] * len(rec["entries"]) for rec in records]
     results[me] = stored
-    recv_device = torch.device(target) if target is not None else device
+    ptrs: List[List[int]] = [[0] * len(rec["entries"]) for rec in records]
+    flats: List[List[Optional[torch.Tensor]]] = [[None] * len(lay[0]) for lay in layouts]
     remaining = [[e["nbytes"] for e in rec["entries"]] for rec in records]
-    mismatches: List[str] = []
+    sums: List[List[Optional[int]]] = [[None] * len(rec["entries"]) for rec in records]
 
-    def verify(r: int, i: int) -> None:
-        entry = records[r]["entries"][i]
-        m = ck.verify_tensor(entry, results[r][i], _host_checksum(results[r][i]))
-        if m is not None:
-            mismatches.append(
-                f"key '{entry['key']}' (tensor #{i}) sent by rank {group.get_global_rank(r)}, "
-                f"received by rank {my_global}: {m.detail} "
-                f"(owner {entry['checksum']:#018x}, received "
-                f"{'-' if m.actual is None else format(m.actual, '#018x')})"
-            )
-
-    def final(r: int, i: int) -> torch.Tensor:
-        t = results[r][i]
-        if t is None:
-            e = records[r]["entries"][i]
-            t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=recv_device)
-            results[r][i] = t
-        return t
+    def checksum_received(r: int, i: int) -> None:
+        if recv_cpu:
+            sums[r][i] = _cpu_checksum(ptrs[r][i], records[r]["entries"][i]["nbytes"])
+        else:
+            sums[r][i] = _stored_checksum(results[r][i])
 
     for r in range(world):
+        entries_r = records[r]["entries"]
         if r == me:
+            for i, e in enumerate(entries_r):
+                if e["nbytes"] == 0:
+                    sums[r][i] = _stored_checksum(stored[i])
             continue
-        for i, n in enumerate(remaining[r]):
-            if n == 0:
-                final(r, i)
-                verify(r, i)
+        groups, dtypes, offsets, totals = layouts[r]
+        for g, members in enumerate(groups):
+            dtype = _DTYPES[dtypes[g]]
+            flat = torch.empty(totals[g] // dtype.itemsize, dtype=dtype, device=recv_device)
+            flats[r][g] = flat.view(torch.uint8)
+            base = flat.data_ptr()
+            for i in members:
+                e = entries_r[i]
+                first = offsets[i] // dtype.itemsize
+                results[r][i] = flat[first:first + math.prod(e["shape"])].view(e["shape"])
+                ptrs[r][i] = base + offsets[i]
+                if e["nbytes"] == 0:
+                    checksum_received(r, i)
 
     per_src = [
-        _plan_messages(r, [e["nbytes"] for e in rec["entries"]], bucket, direct_min)
+        _plan_messages(r, [e["nbytes"] for e in rec["entries"]], bucket, direct_min, layouts[r][0])
         for r, rec in enumerate(records)
     ]
     schedule = _interleave(per_src)
     staging = _Staging(depth, bucket, device)
-    send_bytes = [None] * len(send_src)
+    staging_cpu = device.type == "cpu"
+    send_ptrs = [t.data_ptr() if t.is_cpu else 0 for t in send_src]
+    send_views: dict = {}
     inflight: collections.deque = collections.deque()
 
     def src_bytes(i: int) -> torch.Tensor:
-        if send_bytes[i] is None:
-            send_bytes[i] = _byte_view(send_src[i])
-        return send_bytes[i]
+        if i not in send_views:
+            send_views[i] = _byte_view(send_src[i])
+        return send_views[i]
 
     def finish() -> None:
         work, msg, buf, staged = inflight.popleft()
         work.wait()
         if msg.src == me:
             return
-        for i, toff, length, moff in msg.pieces:
-            if staged:
-                _byte_view(final(msg.src, i))[toff:toff + length].copy_(buf[moff:moff + length])
-            remaining[msg.src][i] -= length
-            if remaining[msg.src][i] == 0:
-                verify(msg.src, i)
+        r = msg.src
+        if staged:
+            flats[r][msg.group][msg.start:msg.start + msg.size].copy_(buf)
+        for i, _, length, _ in msg.pieces:
+            remaining[r][i] -= length
+            if remaining[r][i] == 0:
+                checksum_received(r, i)
 
     for k, msg in enumerate(schedule):
         while len(inflight) >= depth:
@@ -530,32 +665,56 @@ def fixed_replicate(self, local_ckpt, id_):
                 buf, staged = src_bytes(i)[toff:toff + length], False
             else:
                 buf, staged = staging.get(slot, msg.size), True
-                for i, toff, length, moff in msg.pieces:
-                    buf[moff:moff + length].copy_(src_bytes(i)[toff:toff + length])
+                if staging_cpu and all(send_ptrs[p[0]] for p in msg.pieces):
+                    base = buf.data_ptr()
+                    for i, toff, length, moff in msg.pieces:
+                        ctypes.memmove(base + moff, send_ptrs[i] + toff, length)
+                else:
+                    for i, toff, length, moff in msg.pieces:
+                        buf[moff:moff + length].copy_(src_bytes(i)[toff:toff + length])
+        elif recv_device == device:
+            buf, staged = flats[msg.src][msg.group][msg.start:msg.start + msg.size], False
         else:
-            i, toff, length, _ = msg.pieces[0]
-            if msg.direct and recv_device == device:
-                buf, staged = _byte_view(final(msg.src, i))[toff:toff + length], False
-            else:
-                buf, staged = staging.get(slot, msg.size), True
+            buf, staged = staging.get(slot, msg.size), True
         work = _broadcast(buf, group.get_global_rank(msg.src), group.group)
         inflight.append((work, msg, buf, staged))
+        if msg.src == me:  # owner checksums, overlapping the transfer just posted
+            for i, toff, length, _ in msg.pieces:
+                if toff + length == records[me]["entries"][i]["nbytes"]:
+                    sums[me][i] = _stored_checksum(stored[i])
     while inflight:
         finish()
-    del staging, send_bytes
+    del staging, send_views, flats
 
-    # 4. second collective: every receiver's verdict.
-    try:
-        _raise_everywhere(
-            group, mismatches, ChecksumMismatchError,
-            f"local checkpoint replication: replica bytes differ from the owner's checksums "
-            f"(checkpoint id {id_}); nothing was written:",
-        )
-    except ChecksumMismatchError:
+    # 4. second collective: every owner's checksums and every receiver's; all ranks compare all
+    #    pairs, so a mismatch raises the same error on every rank before anything is written.
+    all_sums = group.all_gather_object(sums)
+    mismatches = []
+    for recv in range(world):
+        for owner in range(world):
+            if owner == recv:
+                continue
+            for i, entry in enumerate(records[owner]["entries"]):
+                want, got = all_sums[owner][owner][i], all_sums[recv][owner][i]
+                if want != got:
+                    mismatches.append(
+                        f"  key '{entry['key']}' (tensor #{i}) sent by rank "
+                        f"{group.get_global_rank(owner)}, received by rank "
+                        f"{group.get_global_rank(recv)}: checksum mismatch "
+                        f"(owner {want:#018x}, received {got:#018x})"
+                    )
+    if mismatches:
         local_ckpt.insert_tensors(originals)
-        raise
+        raise ChecksumMismatchError(
+            "local checkpoint replication: replica bytes differ from the owner's checksums "
+            f"(checkpoint id {id_}); nothing was written:\n" + "\n".join(mismatches)
+        )
 
     for r in range(world):
+        rec = records[r]
+        for entry, checksum in zip(rec["entries"], all_sums[r][r]):
+            entry["checksum"] = checksum
+        ck.attach_record(hollows[r], rec)
         hollows[r].insert_tensors(results[r])
     logger.debug(
         "replicate %s: sent %d B in %d messages over %s",
@@ -707,7 +866,8 @@ if _UpstreamClique is not None:
             local_group: the clique (``torch.distributed.ProcessGroup`` or NVRx ``GroupWrapper``).
             target_device: where received replicas are placed (upstream default ``"cpu"``);
                 ``None`` keeps them on the communication device.
-            bucket_bytes: staging bucket size and largest message, bytes (default 16 MiB).
+            bucket_bytes: staging bucket size, largest message and largest receive segment,
+                bytes (default 16 MiB).
             direct_min_bytes: tensors at least this large are sent without a staging copy
                 (default 4 MiB).
             pipeline_depth: messages in flight (default 2); staging memory is

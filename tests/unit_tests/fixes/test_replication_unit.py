@@ -153,23 +153,38 @@ def test_check_tensor_refusals_name_the_key():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_plan_messages_covers_every_byte_once_within_bucket(seed):
+def test_plan_messages_tiles_each_segment_in_place(seed):
+    """Segments hold one dtype and at most the bucket (or one larger tensor); messages cover every
+    byte of every tensor once, never exceed the bucket, never span two segments, and each message
+    is one contiguous range of its segment (so the receiver receives it in place); large tensors
+    are never copied through staging."""
     rng = random.Random(seed)
-    sizes = [rng.choice([0, 1, 3, 50, 100, 257, 1000, 4096]) for _ in range(40)]
+    dtypes = ["float32", "bfloat16", "uint8"]
+    entries = [
+        {"dtype": rng.choice(dtypes), "nbytes": rng.choice([0, 2, 4, 50, 100, 256, 1000, 4096])}
+        for _ in range(40)
+    ]
     bucket, direct_min = 512, 300
-    msgs = R._plan_messages(1, sizes, bucket, direct_min)
+    groups, names, offsets, totals = R._segments(entries, bucket)
+    assert sorted(i for g in groups for i in g) == list(range(40))
+    for g, members in enumerate(groups):
+        assert all(entries[i]["dtype"] == names[g] for i in members)
+        assert totals[g] == sum(entries[i]["nbytes"] for i in members)
+        assert totals[g] <= bucket or len(members) == 1
+        assert members == sorted(members)
+    sizes = [e["nbytes"] for e in entries]
+    msgs = R._plan_messages(1, sizes, bucket, direct_min, groups)
     covered = [[0] * n for n in sizes]
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
     for m in msgs:
         assert m.src == 1 and 0 < m.size <= bucket
-        assert sum(p[2] for p in m.pieces) == m.size
-        moffs = sorted((p[3], p[2]) for p in m.pieces)
-        pos = 0
-        for moff, length in moffs:
-            assert moff == pos
-            pos += length
-        for i, toff, length, _ in m.pieces:
+        assert m.start + m.size <= totals[m.group]
+        assert sum(p[2] for p in m.pieces) == m.size  # contiguous: no gaps inside a group
+        for i, toff, length, moff in m.pieces:
+            assert group_of[i] == m.group
+            assert offsets[i] + toff == m.start + moff  # in place in the flat buffer
             if sizes[i] >= direct_min:
-                assert m.direct  # large tensors never go through a staging copy
+                assert m.direct
             for b in range(toff, toff + length):
                 covered[i][b] += 1
     assert all(c == 1 for row in covered for c in row)

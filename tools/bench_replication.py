@@ -1,0 +1,239 @@
+"""Benchmark of the local-checkpoint replication fix against upstream NVRx, on gloo processes.
+
+Usage::
+
+    python tools/bench_replication.py [--size-mb 64] [--reps 5] [--world 2]
+
+Each rank holds ``--size-mb`` MiB of float32 tensors in a real ``MCoreTensorAwareStateDict``.
+All variants run in one process group, interleaved (every repetition runs every variant once, in
+turn) and the median over repetitions is reported; a variant's time is the slowest rank's.
+
+Variants:
+  upstream/64        NVRx 0.7.0 ``CliqueReplicationStrategy.replicate`` (unpatched), 64 tensors
+  fixed/64           ``FixedCliqueReplicationStrategy.replicate``, same tensors
+  fixed-nocsum/64    fixed, with the checksum function replaced by a constant (its wall-clock cost)
+  fixed/1024         fixed, the same bytes in 1024 tensors
+  upstream/1024      upstream, 1024 tensors (per-tensor overhead reference)
+  bcast/64           plain per-tensor ``dist.broadcast`` of the same bytes from every rank
+                     (transport reference: no state dicts, no metadata)
+  fixed/quantized    fixed, 64 quantized tensors (a Transformer-Engine-like float8 double,
+                     nominal dtype bfloat16): bytes sent vs primary bytes
+
+Targets (issue): fixed/1024 <= 1.15 x fixed/64; fixed/64 <= 1.05 x upstream/64; checksum
+compute+verify <= 10% of the fixed replicate time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tasd(rank, world, tensors):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    sd = {
+        k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world), prepend_axis_num=1)
+        for k, t in tensors.items()
+    }
+    return MCoreTensorAwareStateDict.from_state_dict(sd, algo="atomic")[0]
+
+
+def _tensors(rank, total_bytes, count, quantized=False):
+    g = torch.Generator().manual_seed(rank * 1000 + count)
+    n = total_bytes // 4 // count
+    if not quantized:
+        return {f"layer{i:04d}.weight": torch.randn(n, generator=g) for i in range(count)}
+    sys.path.insert(0, os.path.join(_REPO, "tests", "unit_tests", "fixes"))
+    import replication_doubles as D
+
+    n = total_bytes // 2 // count  # nominal bfloat16
+    return {
+        f"layer{i:04d}.weight": D.quantize(torch.randn(n, generator=g).to(torch.bfloat16))
+        for i in range(count)
+    }
+
+
+def _worker(rank, world, port, args, out_q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, _REPO)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
+
+    from megatron.fixes import replication as R
+
+    total = args.size_mb * 1024 * 1024
+    group = dist.new_group(list(range(world)))
+    upstream = R._UpstreamClique(group, target_device="cpu")
+    fixed = R.FixedCliqueReplicationStrategy(group, target_device="cpu")
+    gw = GroupWrapper(group)
+
+    data = {
+        64: _tensors(rank, total, 64),
+        1024: _tensors(rank, total, 1024),
+        "q": _tensors(rank, total, 64, quantized=True),
+    }
+    csum_time = [0.0]
+    sent = [0]
+    real_csum, real_bcast = R._cpu_checksum, R._broadcast
+
+    def timed_csum(ptr, nbytes):
+        t0 = time.perf_counter()
+        try:
+            return real_csum(ptr, nbytes)
+        finally:
+            csum_time[0] += time.perf_counter() - t0
+
+    def counting_bcast(buf, src, grp):
+        if src == rank:
+            sent[0] += buf.numel()
+        return real_bcast(buf, src, grp)
+
+    def run_replicate(strategy_fn, key):
+        tasd = _tasd(rank, world, data[key])
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        replicas, _ = strategy_fn(tasd)
+        return time.perf_counter() - t0, replicas
+
+    def v_upstream(key):
+        return run_replicate(lambda sd: R._UPSTREAM_REPLICATE(upstream, sd, "id"), key)
+
+    def v_fixed(key):
+        return run_replicate(lambda sd: R.fixed_replicate(fixed, sd, "id"), key)
+
+    def v_fixed_nocsum(key):
+        R._cpu_checksum = lambda ptr, nbytes: 0
+        try:
+            return v_fixed(key)
+        finally:
+            R._cpu_checksum = timed_csum
+
+    def v_bcast(key):
+        tensors = list(data[key].values())
+        recv = [torch.empty_like(t) for t in tensors]
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for src in range(world):
+            for t, r in zip(tensors, recv):
+                dist.broadcast(t if src == rank else r, src=src, group=group)
+        return time.perf_counter() - t0, None
+
+    variants = [
+        ("upstream/64", v_upstream, 64),
+        ("fixed/64", v_fixed, 64),
+        ("fixed-nocsum/64", v_fixed_nocsum, 64),
+        ("fixed/1024", v_fixed, 1024),
+        ("upstream/1024", v_upstream, 1024),
+        ("bcast/64", v_bcast, 64),
+        ("fixed/quantized", v_fixed, "q"),
+    ]
+    R._cpu_checksum, R._broadcast = timed_csum, counting_bcast
+    times = {name: [] for name, _, _ in variants}
+    shares = []
+    q_sent = q_primary = q_payload = 0
+    for rep in range(args.warmup + args.reps):
+        for name, fn, key in variants:
+            csum_time[0], sent[0] = 0.0, 0
+            elapsed, replicas = fn(key)
+            slowest = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            share = torch.tensor([csum_time[0] / elapsed if elapsed else 0.0], dtype=torch.float64)
+            dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)
+            if rep >= args.warmup:
+                times[name].append(slowest.item())
+                if name == "fixed/64":
+                    shares.append(share.item())
+                if name == "fixed/quantized":
+                    q_sent = sent[0]
+                    own = replicas[rank]
+                    q_primary = sum(t.nbytes for t in own.tensors)
+                    q_payload = sum(
+                        t._data.nbytes + t._scale_inv.nbytes for t in data["q"].values()
+                    )
+            del replicas
+    if rank == 0:
+        out_q.put(
+            {
+                "times": {k: statistics.median(v) for k, v in times.items()},
+                "mins": {k: min(v) for k, v in times.items()},
+                "all": times,
+                "share": statistics.median(shares),
+                "q_sent": q_sent,
+                "q_primary": q_primary,
+                "q_payload": q_payload,
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-mb", type=int, default=64, help="MiB of tensors per rank (default 64)")
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions (median)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first")
+    p.add_argument("--world", type=int, default=2, help="gloo processes (one clique)")
+    args = p.parse_args(argv)
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join()
+    if any(pr.exitcode != 0 for pr in procs) or q.empty():
+        print("benchmark failed", [pr.exitcode for pr in procs], file=sys.stderr)
+        return 1
+    res = q.get()
+    t = res["times"]
+    mb = args.size_mb
+    print(f"\nreplicate(): {args.world} gloo ranks, {mb} MiB per rank, median of {args.reps} "
+          f"(interleaved, slowest rank), torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+    print(f"{'variant':<18}{'median [s]':>11}{'min [s]':>9}{'GB/s recv/rank':>16}{'vs upstream/64':>16}")
+    for name, sec in t.items():
+        gbps = mb * 2**20 * (args.world - 1) / sec / 1e9 if sec else float("nan")
+        print(f"{name:<18}{sec:>11.3f}{res['mins'][name]:>9.3f}{gbps:>16.2f}"
+              f"{sec / t['upstream/64']:>16.3f}")
+    print()
+    rows = [
+        ("fixed/64 / upstream/64", t["fixed/64"] / t["upstream/64"], "<= 1.05"),
+        ("fixed/1024 / fixed/64", t["fixed/1024"] / t["fixed/64"], "<= 1.15"),
+        ("upstream/1024 / upstream/64", t["upstream/1024"] / t["upstream/64"], "(reference)"),
+        ("checksum wall cost (fixed - nocsum) / fixed",
+         (t["fixed/64"] - t["fixed-nocsum/64"]) / t["fixed/64"], "<= 0.10"),
+        ("time inside checksum calls / fixed (slowest rank)", res["share"], "(overlapped)"),
+        ("fixed/64 / bcast/64", t["fixed/64"] / t["bcast/64"], "(transport ref)"),
+        ("quantized: bytes sent / primary bytes", res["q_sent"] / max(res["q_primary"], 1), "== 1"),
+        ("quantized: primary bytes / quantized payload", res["q_primary"] / max(res["q_payload"], 1),
+         "(dequantized)"),
+    ]
+    print(f"{'ratio (medians)':<50}{'value':>8}  target")
+    for name, val, target in rows:
+        print(f"{name:<50}{val:>8.3f}  {target}")
+    print(f"\nper-rep times: " + "; ".join(f"{k}: " + ",".join(f"{x:.3f}" for x in v)
+                                          for k, v in res["all"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
