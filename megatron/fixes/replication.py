@@ -125,17 +125,20 @@ except ImportError:  # NVRx not installed: the fix reports NOT_APPLICABLE
 # Upstream's own methods, captured before anything is patched (the capability probe runs them).
 _UPSTREAM_REPLICATE = None if _UpstreamClique is None else _UpstreamClique.__dict__["replicate"]
 
-DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
-"""Size of a staging bucket and the largest single message (bytes)."""
-DEFAULT_DIRECT_MIN_BYTES = 4 * 1024 * 1024
-"""Tensors at least this large are sent from/into their own memory (no staging copy)."""
+DEFAULT_BUCKET_BYTES = {"cpu": 4 * 1024 * 1024, "cuda": 16 * 1024 * 1024}
+"""Default staging bucket / largest message / largest receive segment (bytes) per communication
+device type. Gloo over TCP moves 2-4 MiB messages fastest and a small staging bucket stays in
+cache while it is packed; NCCL needs larger messages to reach its bandwidth."""
+DEFAULT_DIRECT_MIN_FRACTION = 4
+"""By default tensors of at least ``bucket_bytes // 4`` bytes are sent from their own memory
+(no staging copy); smaller ones are packed."""
 DEFAULT_PIPELINE_DEPTH = 2
 """Messages in flight at once; staging memory is ``pipeline_depth * bucket_bytes``."""
 
 __all__ = [
     "ChecksumMismatchError",
     "DEFAULT_BUCKET_BYTES",
-    "DEFAULT_DIRECT_MIN_BYTES",
+    "DEFAULT_DIRECT_MIN_FRACTION",
     "DEFAULT_PIPELINE_DEPTH",
     "FIX",
     "FixedCliqueReplicationStrategy",
@@ -347,6 +350,7 @@ def _plan_messages(
     """
     if groups is None:
         groups = [range(len(sizes))]
+    direct_min = min(direct_min, bucket_bytes)  # a packed message never exceeds the bucket
     out: List[_Message] = []
     for g, members in enumerate(groups):
         pos = 0
@@ -452,6 +456,19 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return ck.tensor_byte_view(t)
 
 
+def _transport_params(self, device: torch.device) -> Tuple[int, int, int]:
+    """(bucket_bytes, direct_min_bytes, pipeline_depth) of a strategy; also works on upstream
+    instances (patched methods), which have none of these attributes."""
+    bucket = getattr(self, "bucket_bytes", None)
+    if bucket is None:
+        bucket = DEFAULT_BUCKET_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    direct_min = getattr(self, "direct_min_bytes", None)
+    if direct_min is None:
+        direct_min = max(1, bucket // DEFAULT_DIRECT_MIN_FRACTION)
+    depth = max(1, int(getattr(self, "pipeline_depth", DEFAULT_PIPELINE_DEPTH)))
+    return int(bucket), int(min(direct_min, bucket)), depth
+
+
 def _raise_everywhere(group_wrapper: Any, my_errors: List[str], exc_type, header: str) -> None:
     """Collective: gather every rank's error list; if any rank has errors, raise on all ranks."""
     gathered = group_wrapper.all_gather_object(list(my_errors))
@@ -508,12 +525,14 @@ def fixed_replicate(self, local_ckpt, id_):
             owner's checksum; the message names key, sender rank and receiver rank. Raised before
             ``LocalCheckpointManager.save`` writes any file.
     """
+    return _replicate(self, local_ckpt, id_)
+
+
+def _replicate(self, local_ckpt, id_):
     group = self.local_group
     target = None if self.target_device is None else torch.device(self.target_device)
-    bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
-    direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
-    depth = max(1, int(getattr(self, "pipeline_depth", DEFAULT_PIPELINE_DEPTH)))
     device = comm_device(group)
+    bucket, direct_min, depth = _transport_params(self, device)
     me = group.my_group_rank
     my_global = group.get_global_rank(me)
 
@@ -749,8 +768,7 @@ def _p2p_plan(tensors: Sequence[torch.Tensor], bucket: int, direct_min: int) -> 
 
 def _send_state_dict(self, sd: Any, dst: int, device: torch.device) -> None:
     group = self.local_group
-    bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
-    direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
+    bucket, direct_min, _ = _transport_params(self, device)
     tensors = sd.pop_tensors()
     try:
         prepared = [prepare_tensor(f"tensor[{i}]", t)[0] for i, t in enumerate(tensors)]
@@ -772,8 +790,7 @@ def _send_state_dict(self, sd: Any, dst: int, device: torch.device) -> None:
 
 def _recv_state_dict(self, src: int, device: torch.device) -> Any:
     group = self.local_group
-    bucket = int(getattr(self, "bucket_bytes", DEFAULT_BUCKET_BYTES))
-    direct_min = int(getattr(self, "direct_min_bytes", DEFAULT_DIRECT_MIN_BYTES))
+    bucket, direct_min, _ = _transport_params(self, device)
     sd = group.recv_object(src)
     sd.init_tensors()
     tensors = list(sd.tensors)
@@ -810,6 +827,10 @@ def fixed_retrieve_execute(self, exchange_plan, my_data):
             match its checksum record (message names the checkpoint id, key and ranks).
         AssertionError: data this rank must send is missing (as upstream).
     """
+    return _retrieve_execute(self, exchange_plan, my_data)
+
+
+def _retrieve_execute(self, exchange_plan, my_data):
     group = self.local_group
     me = group.my_global_rank
     device = comm_device(group)
@@ -867,9 +888,10 @@ if _UpstreamClique is not None:
             target_device: where received replicas are placed (upstream default ``"cpu"``);
                 ``None`` keeps them on the communication device.
             bucket_bytes: staging bucket size, largest message and largest receive segment,
-                bytes (default 16 MiB).
-            direct_min_bytes: tensors at least this large are sent without a staging copy
-                (default 4 MiB).
+                bytes; ``None`` (default): 4 MiB when communicating on the CPU (gloo),
+                16 MiB on CUDA (NCCL).
+            direct_min_bytes: tensors at least this large are sent without a staging copy;
+                ``None`` (default): ``bucket_bytes // 4``. Capped at ``bucket_bytes``.
             pipeline_depth: messages in flight (default 2); staging memory is
                 ``pipeline_depth * bucket_bytes`` on the communication device.
 
@@ -882,18 +904,17 @@ if _UpstreamClique is not None:
             local_group,
             target_device="cpu",
             *,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES,
+            bucket_bytes: Optional[int] = None,
+            direct_min_bytes: Optional[int] = None,
             pipeline_depth: int = DEFAULT_PIPELINE_DEPTH,
         ):
             _UpstreamClique.__init__(self, local_group, target_device=target_device)
-            if bucket_bytes <= 0 or direct_min_bytes <= 0 or pipeline_depth <= 0:
-                raise ValueError(
-                    f"bucket_bytes ({bucket_bytes}), direct_min_bytes ({direct_min_bytes}) and "
-                    f"pipeline_depth ({pipeline_depth}) must be positive"
-                )
-            self.bucket_bytes = int(bucket_bytes)
-            self.direct_min_bytes = int(direct_min_bytes)
+            for name, value in (("bucket_bytes", bucket_bytes), ("direct_min_bytes", direct_min_bytes),
+                                ("pipeline_depth", pipeline_depth)):
+                if value is not None and int(value) <= 0:
+                    raise ValueError(f"{name} must be positive, got {value}")
+            self.bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
+            self.direct_min_bytes = None if direct_min_bytes is None else int(direct_min_bytes)
             self.pipeline_depth = int(pipeline_depth)
 
         replicate = fixed_replicate

@@ -258,7 +258,7 @@ def _fixed_buckets(rank, root):
     tensors = {f"t{i:02d}": torch.randn(n, generator=g) for i, n in enumerate([3, 40, 1, 200, 17, 64, 5])}
     all_expected = _gather_expected(tensors)
     strategy = FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
-    strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 128, 3
+    strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 64, 3
     _manager(root, strategy).save(_tasd(rank, tensors), ITER)
     _barrier()
     _check_files_against(root, all_expected, "tiny buckets")
