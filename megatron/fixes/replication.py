@@ -90,7 +90,12 @@ the fix installs. Any error in the probe (changed internals) counts as "does not
 ``Fix.apply`` then refuses versions other than the pinned one.
 
 Not covered: load paths that bypass the replication strategy (``LocalCheckpointManager`` without
-``repl_strategy``) are not verified, since such files are written without a record.
+``repl_strategy``) are not verified, since such files are written without a record. A corrupt
+file is refused, not repaired: when a rank's own primary fails verification the load raises even
+if a peer holds a good replica (``retrieve_plan`` is upstream's and prefers the local copy).
+On NCCL the checksums are computed on the CPU (the owner's stored primary is a host copy anyway;
+receivers hash the replica after it reached ``target_device``); with NVLink-class bandwidth the
+hash, not the transport, bounds the replication time.
 """
 
 from __future__ import annotations
