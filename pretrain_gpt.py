@@ -178,6 +178,10 @@ def main() -> None:
         from megatron.cpu import specs
 
         specs.adapt_model_config(model_cfg)
+    if args.restore_modelopt_state:  # quantized checkpoints (tools/quantize.py)
+        from megatron.fixes.modelopt_moe import restore_modelopt_state_pre_wrap_hook
+
+        model_cfg.pre_wrap_hooks.append(restore_modelopt_state_pre_wrap_hook)
     cfg = pretrain_cfg_container_from_args(args, model_cfg)
     fork_args.install_training_hooks(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)

@@ -45,6 +45,29 @@ What this fix does
      any collective), instead of a rank-local storage error and a hang.
 3. Calls upstream's ``_modelopt_get_extra_state`` without its unconditional
    ``torch.cuda.synchronize()`` when CUDA is not available (CPU runs).
+4. ModelOpt state in Megatron-LM checkpoints (megatron-core 0.19.2). Upstream's checkpoint code
+   saves ``modelopt_state`` only when ``has_nvidia_modelopt``, which it sets from an import of
+   ``megatron.post_training.utils``: 0.19.2 does not ship ``megatron.post_training``, so the flag is
+   False and quantized models are checkpointed without their ModelOpt state. The fix
+
+   * sets ``has_nvidia_modelopt`` with ModelOpt's own ``save_modelopt_state`` /
+     ``save_sharded_modelopt_state`` and a one-line ``print_distributed_quant_summary``
+     (:func:`print_quant_summary`): ``torch_dist`` checkpoints of a quantized model get
+     ``<ckpt>/modelopt_state`` again (unquantized models: unchanged, ModelOpt returns early);
+   * stores the ModelOpt state in **local** (non-persistent) checkpoints too, where upstream only
+     warns "Local checkpointing does not support nvidia_modelopt": ``save_checkpoint`` marks a local
+     save, ``generate_state_dict`` then adds ``modelopt_state`` (ModelOpt's ``save_modelopt_state``,
+     full per-module state; a local checkpoint is per rank and loads only at the same topology);
+     on load, ``_load_base_checkpoint``'s first pass (no sharded state dict yet) hands that state to
+     the next ``generate_state_dict`` of the load, which re-applies it to the still unconverted
+     model (``restore_from_modelopt_state``) before building the state dict to load, so the
+     quantizer tensors are requested and loaded. A run recovered from a local checkpoint, or from
+     its replica, resumes quantized, with no persistent checkpoint and no flag needed;
+   * offers :func:`restore_modelopt_state_pre_wrap_hook` (``pretrain_gpt.py
+     --restore-modelopt-state``): the restore step of Megatron-LM's ``megatron.post_training`` model
+     builder, with ModelOpt's ``restore_sharded_modelopt_state``, plus
+     :func:`request_checkpointed_amax` for quantizers whose state that restore drops (those of
+     non-Megatron modules, e.g. ``torch.nn.LayerNorm`` of the local spec).
 
 Stands aside if a probe (a simulated expert linear on ETP rank 1 of 2 with dense TP size 1) shows
 that upstream already gives expert quantizer tensors an ETP-based ``replica_id``.
@@ -61,14 +84,22 @@ Limits
 * ModelOpt's ``SequentialMLP`` wrapper still rejects TP > 1 together with EP > 1 (upstream check,
   left as is); TE grouped experts accept it.
 * The layout mapping reads ``torch_dist`` metadata; other formats pass through untouched.
+* Part 4 rides on this fix's capability probe: if a future ModelOpt fixes the expert sharding,
+  the whole fix stands aside, including part 4 (re-check then whether upstream saves
+  ``modelopt_state``). Virtual pipeline parallelism is not supported by ModelOpt's sharded state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import importlib
 import inspect
 import logging
+import os
 import re
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -670,6 +701,357 @@ def _wrap_get_extra_state(original: Callable) -> Callable:
 
 
 # --------------------------------------------------------------------------------------------------
+# ModelOpt state (modelopt_state) in Megatron-LM checkpoints
+# --------------------------------------------------------------------------------------------------
+
+_CKPT = "megatron.training.checkpointing"
+_TRAINING = "megatron.training.training"
+_MCORE_PLUGIN = "modelopt.torch.opt.plugins.mcore_dist_checkpointing"
+
+#: True while ``save_checkpoint`` writes a local (non-persistent, per-rank) checkpoint.
+_LOCAL_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("modelopt_moe_local_save",
+                                                                   default=False)
+#: ModelOpt state read from a local checkpoint by the first (``rank0=True``) base load of
+#: ``load_checkpoint``, waiting for the model that ``generate_state_dict`` gets next.
+_PENDING_LOCAL_RESTORE: dict[str, Any] = {}
+
+
+def _modelopt_state_keys(n_chunks: int) -> list[str]:
+    """Keys under which ModelOpt's ``save_modelopt_state`` stores the state of ``n_chunks`` model
+    chunks (virtual pipeline stages)."""
+    return ["modelopt_state"] if n_chunks == 1 else [f"modelopt_state_{i}" for i in range(n_chunks)]
+
+
+def is_modelopt_converted(model: Any) -> bool:
+    """True if any chunk of ``model`` (a module or a list of modules, wrapped or not) carries
+    ModelOpt state (was quantized, or restored from a quantized checkpoint)."""
+    import modelopt.torch.opt as mto
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(model if isinstance(model, list) else [model])
+    return any(mto.ModeloptStateManager.is_converted(m) for m in chunks)
+
+
+def enabled_quantizers(model: Any) -> Iterator[tuple[str, Any]]:
+    """(name, quantizer) of every enabled ModelOpt ``TensorQuantizer`` of ``model`` (a module or
+    a list of chunks, wrapped or not) on this rank; names are prefixed ``<chunk>.`` for several
+    chunks."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(model if isinstance(model, list) else [model])
+    for i, chunk in enumerate(chunks):
+        for name, m in chunk.named_modules():
+            if isinstance(m, TensorQuantizer) and m.is_enabled:
+                yield (f"{i}.{name}" if len(chunks) > 1 else name), m
+
+
+def quantizer_summary(model: Any) -> dict[str, Any]:
+    """ModelOpt quantizers of ``model`` on this rank.
+
+    Returns:
+        {'quantizers': number of ``TensorQuantizer`` modules, 'enabled': enabled ones, 'static':
+        enabled ones with a fixed (calibrated) range, 'calibrated': static ones holding an
+        ``_amax``, 'uncalibrated': names of the static ones without (at most 8)}.
+    """
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    from megatron.core.utils import unwrap_model
+
+    total = sum(isinstance(m, TensorQuantizer)
+                for chunk in unwrap_model(model if isinstance(model, list) else [model])
+                for m in chunk.modules())
+    enabled = list(enabled_quantizers(model))
+    static = [(n, q) for n, q in enabled if _needs_amax(q)]
+    missing = [n for n, q in static if getattr(q, "_amax", None) is None]
+    return {"quantizers": total, "enabled": len(enabled), "static": len(static),
+            "calibrated": len(static) - len(missing), "uncalibrated": missing[:8]}
+
+
+def _needs_amax(quantizer: Any) -> bool:
+    """True for a quantizer that calibration gives a fixed ``_amax`` (not dynamic, not MX)."""
+    return not getattr(quantizer, "_dynamic", False) and not getattr(quantizer, "is_mx_format",
+                                                                     False)
+
+
+def print_quant_summary(model: Any, msg: str = "") -> None:
+    """Stand-in for Megatron-LM's ``megatron.post_training.utils.print_distributed_quant_summary``
+    (absent from megatron-core 0.19.2): one log line on rank 0 if ``model`` is ModelOpt-converted,
+    nothing otherwise."""
+    if not is_modelopt_converted(model):
+        return
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        logger.warning("ModelOpt%s: rank 0 holds %s", f" ({msg})" if msg else "",
+                       quantizer_summary(model))
+
+
+def latest_checkpoint_dir(load_dir: str | None) -> str | None:
+    """The directory of the checkpoint that ``load_checkpoint`` reads from ``load_dir``
+    (``iter_XXXXXXX`` named by ``latest_checkpointed_iteration.txt``, ``--ckpt-step``, or
+    ``release``), or ``None`` if ``load_dir`` holds no tracker file. Reads the tracker with
+    upstream's ``read_metadata`` (an all-reduce over the default group when initialised: call
+    on every rank)."""
+    from megatron.training import checkpointing as ckpt
+    from megatron.training import get_args
+
+    if not load_dir:
+        return None
+    tracker = ckpt.get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        return None
+    iteration, release = ckpt.read_metadata(tracker)
+    step = getattr(get_args(), "ckpt_step", None)
+    if step:
+        iteration, release = step, False
+    return ckpt.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+
+
+def restore_modelopt_state_pre_wrap_hook(model: list) -> list:
+    """``GPTModelConfig.pre_wrap_hooks`` entry behind ``pretrain_gpt.py --restore-modelopt-state``.
+
+    megatron-core 0.19.2 keeps ``GPTModelConfig.restore_modelopt_state`` (it only selects the
+    TE-based ModelOpt export spec) but not the step that restores the state: Megatron-LM does it in
+    ``megatron.post_training``'s model builder, which 0.19.2 does not ship. This hook does that
+    step, with ModelOpt's own ``restore_sharded_modelopt_state``: on the freshly built model chunk,
+    before the mixed-precision/DDP wrappers and before the optimizer exists, it re-applies the
+    ModelOpt modes of the checkpoint that ``--load`` (or ``--pretrained-checkpoint``) names and
+    loads the quantizers' ``_extra_state``; ``load_checkpoint`` then loads the quantizer tensors
+    (``_amax`` ...) with the weights, under the current TP/EP/ETP.
+
+    Args:
+        model: the list of built model chunks (one: virtual pipeline is not supported by ModelOpt's
+            sharded state).
+
+    Returns:
+        ``model`` (chunks converted in place).
+
+    Raises:
+        ValueError: virtual pipeline parallelism, or a checkpoint format other than ``torch_dist``
+            (both raised on every rank, before any collective).
+    """
+    from megatron.training import get_args
+
+    args = get_args()
+    if len(model) != 1:
+        raise ValueError("--restore-modelopt-state: ModelOpt's sharded modelopt_state does not "
+                         "support virtual pipeline parallelism (got %d model chunks)" % len(model))
+    if args.ckpt_format != "torch_dist":
+        raise ValueError("--restore-modelopt-state needs --ckpt-format torch_dist (got "
+                         f"{args.ckpt_format}); ModelOpt keeps its state in <ckpt>/modelopt_state")
+    ckpt_dir = latest_checkpoint_dir(args.load)
+    if ckpt_dir is None and getattr(args, "pretrained_checkpoint", None):
+        ckpt_dir = latest_checkpoint_dir(args.pretrained_checkpoint)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if ckpt_dir is None or not os.path.isdir(os.path.join(ckpt_dir, "modelopt_state")):
+        if rank == 0:
+            logger.warning(
+                "--restore-modelopt-state: %s holds no ModelOpt state (no <ckpt>/modelopt_state); "
+                "the model is built without it (a local checkpoint that holds ModelOpt state "
+                "restores it when it is loaded)", ckpt_dir or args.load)
+        return model
+    plugin = __import__(_MCORE_PLUGIN, fromlist=["restore_sharded_modelopt_state"])
+    plugin.restore_sharded_modelopt_state(model, ckpt_dir)
+    request_checkpointed_amax(model, ckpt_dir)
+    print_quant_summary(model, f"restored from {ckpt_dir}")
+    return model
+
+
+def request_checkpointed_amax(model: list, ckpt_dir: str) -> list[str]:
+    """Give restored quantizers whose calibration ModelOpt's sharded restore dropped an ``_amax``
+    placeholder, so that ``load_checkpoint`` loads the saved value into it.
+
+    ModelOpt keeps per-quantizer state in the Megatron ``_extra_state`` of the quantized *Megatron
+    linears* only, and ``restore_sharded_modelopt_state`` strips it from the global state. Quantizers
+    of other modules (``torch.nn.LayerNorm`` input quantizers of the local spec: the input and
+    pre-MLP layer norms, the final layer norm) come back enabled but without ``_amax``, so the model
+    neither requests the saved value nor uses it: they would quantize with a per-batch dynamic
+    amax instead of the calibrated one. For each enabled quantizer without ``_amax`` whose sharded
+    key (as this model names it) the checkpoint holds, this registers a NaN placeholder of the
+    checkpoint's shape (a load that misses it shows as NaN, not as a silent dynamic range).
+
+    Args:
+        model: the model chunks (one), already restored.
+        ckpt_dir: the ``torch_dist`` checkpoint directory (``iter_XXXXXXX``).
+
+    Returns:
+        the sharded keys given a placeholder.
+    """
+    missing = [(n, q) for n, q in enabled_quantizers(model)
+               if _needs_amax(q) and getattr(q, "_amax", None) is None]
+    if not missing:
+        return []
+    ckpt = _checkpoint_tensors(ckpt_dir) or {}
+    device = next((p.device for m in model for p in m.parameters()), torch.device("cpu"))
+    by_ptr = {}
+    for name, q in missing:
+        q.amax = torch.full((), float("nan"), dtype=torch.float32, device=device)
+        by_ptr[q._amax.data_ptr()] = (name, q)
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    found: dict[int, Any] = {}
+    for m in model:
+        for _, st in _walk(m.sharded_state_dict()):
+            if type(st) is ShardedTensor and st.data is not None and st.data.data_ptr() in by_ptr:
+                found[st.data.data_ptr()] = st
+    requested = []
+    for ptr, (name, q) in by_ptr.items():
+        st = found.get(ptr)
+        have = ckpt.get(st.key) if st is not None else None
+        if have is None:
+            del q._amax  # not in the checkpoint: stays as ModelOpt restored it
+            continue
+        shape, dtype = have
+        if tuple(shape) != tuple(st.global_shape):
+            if tuple(st.local_shape) != tuple(st.global_shape):
+                del q._amax
+                logger.warning("modelopt_moe: %s: checkpoint %s holds '%s' with shape %s, the "
+                               "model's placeholder is split %s of %s; not requested", name,
+                               ckpt_dir, st.key, shape, st.local_shape, st.global_shape)
+                continue
+            del q._amax
+            q.amax = torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+        requested.append(st.key)
+    if requested:
+        logger.info("modelopt_moe: requested %d quantizer amax tensor(s) that ModelOpt's sharded "
+                    "restore leaves out (e.g. '%s') from %s", len(requested), requested[0],
+                    ckpt_dir)
+    return requested
+
+
+def _restore_from_local(model: list, states: dict[str, Any], checkpoint_name: Any) -> None:
+    """Re-apply the ModelOpt state a local checkpoint holds to the (unwrapped) model chunks that
+    are about to load it; chunks that already carry ModelOpt state are left as they are."""
+    import modelopt.torch.opt as mto
+    from megatron.core import parallel_state as mcore_ps
+
+    keys = _modelopt_state_keys(len(model))
+    restored = []
+    for i, (chunk, key) in enumerate(zip(model, keys)):
+        state = states.get(key)
+        if state is None or mto.ModeloptStateManager.is_converted(chunk):
+            continue
+        if len(model) > 1:
+            mcore_ps.set_virtual_pipeline_model_parallel_rank(i)
+        out = mto.restore_from_modelopt_state(chunk, state)
+        if out is not chunk:
+            raise RuntimeError(
+                f"ModelOpt replaced the root module of model chunk {i} while restoring the state "
+                f"of local checkpoint {checkpoint_name}; the chunk is already wrapped (DDP), so "
+                "the replacement cannot be installed")
+        restored.append(i)
+    if restored:
+        logger.info("modelopt_moe: restored ModelOpt state of local checkpoint %s into model "
+                    "chunk(s) %s", checkpoint_name, restored)
+        print_quant_summary(model, f"restored from local checkpoint {checkpoint_name}")
+
+
+def _wrap_save_checkpoint(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        """Megatron ``save_checkpoint``; a local (non-persistent) checkpoint also stores the
+        model's ModelOpt state (``megatron.fixes.modelopt_moe``). Arguments and return value as
+        upstream."""
+        from megatron.training import get_args
+
+        bound = signature.bind_partial(*args, **kwargs)
+        local = (bool(bound.arguments.get("non_persistent_ckpt", False))
+                 and get_args().non_persistent_ckpt_type == "local")
+        if not local:
+            return original(*args, **kwargs)
+        ckpt = sys.modules[_CKPT]
+        had = getattr(ckpt, "has_nvidia_modelopt", False)
+        token = _LOCAL_SAVE.set(True)
+        # Upstream's local branch only prints "Local checkpointing does not support
+        # nvidia_modelopt" when this is set; the state is stored (generate_state_dict) instead.
+        ckpt.has_nvidia_modelopt = False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            ckpt.has_nvidia_modelopt = had
+            _LOCAL_SAVE.reset(token)
+
+    save_checkpoint.__wrapped__ = original
+    return save_checkpoint
+
+
+def _wrap_generate_state_dict(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate_state_dict(*args, **kwargs):
+        """Megatron ``generate_state_dict`` (``megatron.fixes.modelopt_moe``): for a local
+        checkpoint save it adds the model's ModelOpt state (ModelOpt's ``save_modelopt_state``:
+        key ``modelopt_state``, per rank); when a local checkpoint holding ModelOpt state is being
+        loaded, it first restores that state into the model, so the sharded state dict it builds
+        requests the quantizer tensors. Arguments and return value as upstream."""
+        bound = signature.bind_partial(*args, **kwargs)
+        model = bound.arguments["model"]
+        loading = bool((bound.arguments.get("optim_sd_kwargs") or {}).get("is_loading"))
+        pending = _PENDING_LOCAL_RESTORE.pop("state", None) if loading else None
+        if pending is not None:
+            _restore_from_local(model, *pending)
+        state_dict = original(*args, **kwargs)
+        if _LOCAL_SAVE.get():
+            plugin = __import__(_MCORE_PLUGIN, fromlist=["save_modelopt_state"])
+            plugin.save_modelopt_state(model, state_dict)  # no-op for unconverted models
+        return state_dict
+
+    generate_state_dict.__wrapped__ = original
+    return generate_state_dict
+
+
+def _wrap_load_base_checkpoint(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(*args, **kwargs):
+        """Megatron ``_load_base_checkpoint`` (``megatron.fixes.modelopt_moe``): when the first
+        base load of ``load_checkpoint`` (no sharded state dict yet) returns a local checkpoint that
+        holds ModelOpt state, the state is kept for ``generate_state_dict`` to restore into the
+        model before it builds the state dict to load. Arguments and return value as upstream."""
+        bound = signature.bind_partial(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if bound.arguments.get("sharded_state_dict") is not None:
+            _PENDING_LOCAL_RESTORE.pop("state", None)  # the load proper: nothing may linger
+            return result
+        state_dict, checkpoint_name, _release, ckpt_type = result
+        ckpt = sys.modules[_CKPT]
+        if ckpt_type == ckpt.CheckpointType.LOCAL and isinstance(state_dict, dict):
+            states = {k: v for k, v in state_dict.items()
+                      if k == "modelopt_state" or k.startswith("modelopt_state_")}
+            if states:
+                _PENDING_LOCAL_RESTORE["state"] = (states, checkpoint_name)
+        return result
+
+    _load_base_checkpoint.__wrapped__ = original
+    return _load_base_checkpoint
+
+
+def _install_checkpoint_paths(patcher: Patcher) -> None:
+    """Patches of ``megatron.training`` for ModelOpt state (see the module docstring, part 4)."""
+    ckpt = importlib.import_module(_CKPT)
+    training = importlib.import_module(_TRAINING)
+    plugin = importlib.import_module(_MCORE_PLUGIN)
+
+    if not getattr(ckpt, "has_nvidia_modelopt", False):
+        patcher.replace(ckpt, "save_modelopt_state", plugin.save_modelopt_state)
+        patcher.replace(ckpt, "save_sharded_modelopt_state", plugin.save_sharded_modelopt_state)
+        patcher.replace(ckpt, "print_distributed_quant_summary", print_quant_summary)
+        patcher.replace(ckpt, "has_nvidia_modelopt", True)
+
+    original_save = ckpt.save_checkpoint
+    wrapped_save = _wrap_save_checkpoint(original_save)
+    patcher.replace(ckpt, "save_checkpoint", wrapped_save)
+    if getattr(training, "save_checkpoint", None) is original_save:
+        patcher.replace(training, "save_checkpoint", wrapped_save)
+    patcher.replace(ckpt, "generate_state_dict", _wrap_generate_state_dict(ckpt.generate_state_dict))
+    patcher.replace(ckpt, "_load_base_checkpoint",
+                    _wrap_load_base_checkpoint(ckpt._load_base_checkpoint))
+
+
+# --------------------------------------------------------------------------------------------------
 # Capability probe
 # --------------------------------------------------------------------------------------------------
 
@@ -791,6 +1173,24 @@ class ModeloptMoeQuantizerShardingFix(Fix):
             why="calls torch.cuda.synchronize() unconditionally, so state_dict() of any quantized "
                 "module fails on a machine without CUDA",
         ),
+        PatchSpec(
+            target=f"{_CKPT}.has_nvidia_modelopt (with save_modelopt_state, "
+                   "save_sharded_modelopt_state, print_distributed_quant_summary)",
+            replacement="True, ModelOpt's own save functions, "
+                        "megatron.fixes.modelopt_moe.print_quant_summary",
+            why="0.19.2 guards its ModelOpt checkpoint code behind an import of "
+                "megatron.post_training.utils, which 0.19.2 does not ship: checkpoints of quantized "
+                "models were written without modelopt_state, and resumed unquantized",
+        ),
+        PatchSpec(
+            target=f"{_CKPT}.save_checkpoint (and its binding in {_TRAINING}), "
+                   f"{_CKPT}.generate_state_dict, {_CKPT}._load_base_checkpoint",
+            replacement="megatron.fixes.modelopt_moe._wrap_save_checkpoint / "
+                        "_wrap_generate_state_dict / _wrap_load_base_checkpoint",
+            why="local (non-persistent) checkpoints skipped the ModelOpt state ('Local "
+                "checkpointing does not support nvidia_modelopt'), so a run recovered from a local "
+                "checkpoint or its replica resumed unquantized",
+        ),
     )
 
     def upstream_behaves(self) -> bool:
@@ -802,6 +1202,8 @@ class ModeloptMoeQuantizerShardingFix(Fix):
         except ImportError:
             return False
         fn = plugin._MegatronParallelLinear.sharded_state_dict
+        if getattr(fn, "__module__", None) == __name__:  # this fix is installed: probe upstream
+            fn = fn.__wrapped__
         replica_id = probe_upstream_expert_replica_ids(fn)
         logger.info("modelopt_moe probe: expert quantizer replica_id on ETP rank 1 = %s",
                     replica_id)
@@ -827,6 +1229,7 @@ class ModeloptMoeQuantizerShardingFix(Fix):
             patcher.replace(dist_ckpt, "load", wrapped_load)
         patcher.replace(opt_plugin, "_modelopt_get_extra_state",
                         _wrap_get_extra_state(opt_plugin._modelopt_get_extra_state))
+        _install_checkpoint_paths(patcher)
 
 
 FIX = ModeloptMoeQuantizerShardingFix()
