@@ -1,8 +1,147 @@
-"""Model-spec adjustments the CPU backend needs (modules upstream's local spec cannot build)."""
+"""Model-spec adjustments the CPU backend needs (modules upstream's local spec cannot build).
+
+``pretrain_gpt.py --cpu`` calls :func:`adapt_model_config` on the ``GPTModelConfig`` built by
+upstream's ``gpt_config_from_args``, before ``pretrain()``. Dense and MoE GPT (also with MTP) need
+nothing. Multi-Latent Attention (``--multi-latent-attention``) does: upstream's local spec builds
+its core attention as ``DotProductAttention``, which rejects MLA's ``k_channels`` / ``v_channels``
+(``TypeError``), and the local spec cannot express the fused down projection
+(``--mla-down-proj-fusion``; upstream builds it only from Transformer Engine modules and silently
+falls back to the unfused attention otherwise). So for MLA:
+
+* ``model_cfg.transformer_layer_spec`` becomes :func:`cpu_transformer_layer_spec`, a callable that
+  upstream's ``GPTModelBuilder.build_model`` resolves per virtual pipeline stage: upstream's own
+  choice of spec (``default_layer_spec``, or the spec given with ``--spec``) passed through
+  :func:`megatron.cpu.mla_attention.cpu_mla_layer_spec` (``CpuMLACoreAttention``; with
+  ``mla_down_proj_fusion``, ``FusedMLASelfAttention`` with one ``linear_qkv_down_proj``).
+* MTP (``--mtp-num-layers``): upstream's ``megatron.training.models.gpt.mtp_block_spec`` ignores
+  ``transformer_layer_spec`` and rebuilds the MTP inner layer from the local decoder specs, so it
+  is wrapped (one named patch, :data:`PATCHES`) to pass its result through the same swap, only
+  for configs adapted here.
+
+Everything else (the model class, parameter names, initialisation order) stays upstream's, so a
+CPU-built model has the same ``state_dict`` keys as one built from upstream's Transformer Engine
+spec with ``mla_down_proj_fusion`` (``linear_qkv_down_proj.weight``; the input layernorm stays a
+separate module ``input_layernorm``, as in upstream's fused spec without layernorm fusion).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
+from megatron.fixes.base import Patcher, PatchSpec
+
+#: Attribute set on an adapted ``GPTModelConfig``: ``{'fuse_down_proj': bool, 'base': spec}``.
+MARK = "_cpu_backend_mla"
+
+PATCHES = (
+    PatchSpec(
+        target="megatron.training.models.gpt.mtp_block_spec",
+        replacement="megatron.cpu.specs.cpu_mtp_block_spec (upstream's result through "
+                    "cpu_mla_layer_spec, for configs marked by adapt_model_config)",
+        why="the MTP inner layer of an MLA model is rebuilt from the local spec, whose "
+            "DotProductAttention cannot build MLA"),
+)
+
+_patcher = Patcher()
+_state: dict[str, Any] = {"installed": False}
+
+
+def _fuse(model_cfg) -> bool:
+    return bool(getattr(model_cfg.transformer, "mla_down_proj_fusion", False))
+
+
+def _resolve(spec, model_cfg, vp_stage):
+    """A spec value as ``GPTModelBuilder.build_model`` resolves it (ModuleSpec, block spec, or a
+    callable taking the config and optionally ``vp_stage``)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is None:
+        from megatron.training.models.gpt import default_layer_spec
+
+        return default_layer_spec(model_cfg, vp_stage)
+    if not isinstance(spec, ModuleSpec) and callable(spec):
+        if "vp_stage" in inspect.signature(spec).parameters:
+            return spec(model_cfg, vp_stage=vp_stage)
+        return spec(model_cfg)
+    return spec
+
+
+def cpu_transformer_layer_spec(model_cfg, vp_stage: int | None = None):
+    """Layer (or block) spec for a config adapted by :func:`adapt_model_config`: upstream's spec
+    with every MLA attention swapped for the CPU one (a fresh copy per call).
+
+    Raises:
+        ValueError: ``model_cfg`` was not adapted by :func:`adapt_model_config`.
+    """
+    from megatron.cpu.mla_attention import cpu_mla_layer_spec
+
+    mark = getattr(model_cfg, MARK, None)
+    if mark is None:
+        raise ValueError("cpu_transformer_layer_spec: config not adapted by "
+                         "megatron.cpu.specs.adapt_model_config")
+    return cpu_mla_layer_spec(_resolve(mark["base"], model_cfg, vp_stage),
+                              fuse_down_proj=mark["fuse_down_proj"])
+
+
+def install() -> None:
+    """Wrap upstream's ``mtp_block_spec`` (idempotent; :func:`reset` undoes it)."""
+    if _state["installed"]:
+        return
+    from megatron.training.models import gpt
+
+    from megatron.cpu.mla_attention import cpu_mla_layer_spec
+
+    original = gpt.mtp_block_spec
+
+    @functools.wraps(original)
+    def cpu_mtp_block_spec(config, transformer_layer_spec, vp_stage=None):
+        spec = original(config, transformer_layer_spec, vp_stage=vp_stage)
+        mark = getattr(config, MARK, None)
+        if spec is None or mark is None:
+            return spec
+        return cpu_mla_layer_spec(spec, fuse_down_proj=mark["fuse_down_proj"])
+
+    _patcher.replace(gpt, "mtp_block_spec", cpu_mtp_block_spec)
+    _state["installed"] = True
+
+
+def reset() -> None:
+    """Undo :func:`install` (tests)."""
+    _patcher.restore()
+    _state["installed"] = False
+
 
 def adapt_model_config(model_cfg) -> None:
-    """Adjust a ``GPTModelConfig`` for the CPU backend in place (no change needed for dense/MoE
-    GPT with the local spec)."""
+    """Adjust a ``GPTModelConfig`` for the CPU backend in place.
+
+    No change for models without Multi-Latent Attention. With ``multi_latent_attention``: marks
+    the config, sets ``transformer_layer_spec`` to :func:`cpu_transformer_layer_spec` (keeping a
+    spec given before, e.g. ``--spec``, as the base) and installs the MTP wrapper. Idempotent.
+
+    Raises:
+        ValueError: ``mla_down_proj_fusion`` without ``q_lora_rank`` (the fused projection needs a
+            q latent), or ``--attention-backend local`` (upstream's builder would put the local
+            ``DotProductAttention`` back, which cannot build MLA). Every rank calls this with the
+            same arguments, so every rank raises.
+    """
+    transformer = model_cfg.transformer
+    if not getattr(transformer, "multi_latent_attention", False):
+        return
+    if getattr(model_cfg, MARK, None) is not None:
+        return
+    fuse = _fuse(model_cfg)
+    if fuse and not getattr(transformer, "q_lora_rank", None):
+        raise ValueError("--cpu: --mla-down-proj-fusion needs --q-lora-rank (the fused down "
+                         "projection holds the q and kv latents)")
+    from megatron.core.transformer.enums import AttnBackend
+
+    if getattr(transformer, "attention_backend", None) == AttnBackend.local:
+        raise ValueError("--cpu: --attention-backend local replaces the core attention by "
+                         "DotProductAttention, which cannot build Multi-Latent Attention; leave "
+                         "the attention backend at its default")
+    object.__setattr__(model_cfg, MARK, {"fuse_down_proj": fuse,
+                                         "base": model_cfg.transformer_layer_spec})
+    model_cfg.transformer_layer_spec = cpu_transformer_layer_spec
+    install()

@@ -18,6 +18,13 @@ The defects in megatron-core 0.19.2 (``--use-megatron-fsdp --ckpt-format fsdp_dt
    layers, whose ``mtp_layer_pattern`` is set, keep ``mtp_model_layer``.
 3. A partial load (``--no-strict-fsdp-dtensor-load``) leaves every model weight that the checkpoint
    lacks at its initial value without a word (only an INFO log of the key differences).
+4. Not MLA/MTP specific, not CPU specific: a parameter whose local Megatron-FSDP shard is empty
+   gets ``grad = None`` (``param_and_grad_buffer.py:3393-3394``), so torch Adam never creates its
+   state on that rank, and the load-time dummy step skips it too (``distrib_optimizer.py:
+   1428-1433``). ``sharded_param_state_fsdp_dtensor`` then packs different optimizer keys per rank
+   and ``preprocess_state_dict_for_uneven_dtensor`` (one ``all_gather_object`` per DTensor) runs a
+   different number of collectives per rank: the save hangs with an empty ``iter_*`` directory
+   (or, with equal counts, gathers the shapes of different tensors).
 
 What this fix does (patch points in ``megatron.training.checkpointing``, resolved through module
 globals at call time):
@@ -45,6 +52,15 @@ globals at call time):
   and both shapes (on every rank: all ranks check the same global shapes).
 * ``print_diff_in_state_dicts`` (called only in the partial-load branch) is wrapped so the partial
   load honours ``--dist-ckpt-strictness`` (see :func:`handle_unexpected_keys`).
+* ``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` is wrapped
+  (:func:`fill_empty_shard_states`): empty-shard parameters get ``exp_avg`` / ``exp_avg_sq``
+  placeholders (DTensors with empty local tensors: nothing written or read) and a ``step``
+  equal to the common step of the others, *set again at every save*. Adding ``step`` only once is
+  not enough: an empty-shard parameter never steps, its placeholder ``step`` goes stale, DCP
+  writes a replicated plain tensor from one rank of its choice, and a later resume reads the stale
+  step for the rank that does own the shard: Adam's bias correction is off and the run diverges at
+  the second iteration after the load (measured: saves at 1 and 2, resume from 2 on 2 ranks:
+  iteration 3 bitwise, 4 not; 5 parameters had ``step`` 1 on disk instead of 2).
 
 Limitation kept from the legacy format: a legacy fused checkpoint written with TP > 1 stores the
 rows in TP-interleaved order; it loads correctly only at the TP size it was written with.
@@ -764,6 +780,146 @@ def handle_unexpected_keys(unexpected: Iterable[str], strictness: str = "assume_
 
 
 # --------------------------------------------------------------------------------------------
+# Optimizer state of parameters whose local FSDP shard is empty
+# --------------------------------------------------------------------------------------------
+
+#: torch optimizers that keep ``step`` per parameter (in ``state[param]['step']``).
+_PER_PARAM_STEP = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _scalar_dtype() -> torch.dtype:
+    """dtype torch Adam gives a new ``step`` (float64 only under a float64 default dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return getattr(param, "_local_tensor", param)
+
+
+def _shard_groups(param: torch.Tensor) -> list:
+    """Process groups of the mesh dimensions a DTensor parameter is sharded over (mesh order)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    if not isinstance(param, DTensor):
+        return []
+    return [param.device_mesh.get_group(i) for i, p in enumerate(param.placements)
+            if isinstance(p, (Shard, _StridedShard))]
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the ranks sharing a parameter's FSDP shard groups hold in optimizer state.
+
+    Attributes:
+        any_state: some rank of the groups has per-parameter state for a non-empty shard.
+        step: the per-parameter ``step`` all those states share (None: no rank keeps ``step``).
+    """
+
+    any_state: bool
+    step: float | None
+
+
+def agree_on_step(optimizer: torch.optim.Optimizer, groups: Iterable) -> StepAgreement:
+    """Min/max of ``state[p]['step']`` over the non-empty local shards of every rank in
+    ``groups`` (one ``all_reduce`` of 3 float64 values per group; call it on every rank of the
+    groups, as upstream calls ``sharded_param_state_fsdp_dtensor``).
+
+    Raises:
+        ValueError: on every rank of the groups, if the ranks' parameters are at different steps
+            (all ranks see the same reduced values, so all raise together, none hangs).
+    """
+    import torch.distributed as dist
+
+    steps, present = [], 0
+    device = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            device = device or _local_tensor(p).device
+            if _local_tensor(p).numel() == 0:
+                continue
+            state = optimizer.state.get(p)
+            if state:
+                present = 1
+                if "step" in state:
+                    steps.append(float(state["step"]))
+    ninf = float("-inf")
+    vec = torch.tensor([max(steps, default=ninf), -min(steps, default=float("inf")), present],
+                       dtype=torch.float64, device=device or "cpu")
+    for g in groups:
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=g)
+    hi, lo, any_state = float(vec[0]), -float(vec[1]), bool(vec[2])
+    if hi == ninf:
+        return StepAgreement(any_state, None)
+    if hi != lo:
+        raise ValueError(
+            f"fsdp_dtensor checkpoint: optimizer parameters are at different steps ({lo:g} .. "
+            f"{hi:g}) across the ranks sharing them; cannot give parameters with an empty local "
+            "shard a consistent 'step'")
+    return StepAgreement(any_state, hi)
+
+
+def fill_empty_shard_states(dist_optimizer) -> list[str]:
+    """Give parameters whose local Megatron-FSDP shard is empty the optimizer state their
+    non-empty peers have, so every rank exposes the same ``fsdp_dtensor`` optimizer keys.
+
+    Upstream (0.19.2) sets ``param.grad = None`` for an empty local shard
+    (``param_and_grad_buffer.py:3393-3394``, ``update_main_grads``); torch Adam creates state only
+    for parameters with a gradient, and the load-time ``_init_optimizer_states_with_dummy_values``
+    (``distrib_optimizer.py:1428-1433``) skips empty parameters too. So
+    ``sharded_param_state_fsdp_dtensor`` packs different keys per rank, and
+    ``preprocess_state_dict_for_uneven_dtensor`` (``uneven_dtensor.py:244-252``), which runs one
+    ``all_gather_object`` per DTensor, issues a different number of collectives per rank: the save
+    (and load) hangs, leaving an empty ``iter_*`` directory.
+
+    For every parameter ``p`` of the inner optimizer with an empty local shard: each tensor key of
+    ``dist_optimizer.optimizer_state_keys`` (``exp_avg``, ``exp_avg_sq``; plus ``max_exp_avg_sq``
+    for amsgrad groups) missing from its state becomes ``zeros_like(p)`` (a DTensor of ``p``'s
+    global shape and dtype, empty local tensor: nothing is written or read for it), and for torch
+    Adam/AdamW ``step`` becomes a new scalar tensor (float32, as torch Adam's; one per parameter)
+    equal to the common step of the non-empty parameters, refreshed on every call (empty
+    parameters never step: a stored ``step`` would go stale and, written by DCP from this rank,
+    reach the rank that owns the shard on resume). The common step is agreed with
+    :func:`agree_on_step` over the parameters' shard groups (one tiny ``all_reduce`` per call, on
+    every rank). Nothing is filled while no rank has any state (fresh optimizer:
+    all ranks already agree on empty state).
+
+    Args:
+        dist_optimizer: a Megatron ``DistributedOptimizer`` under Megatron-FSDP (its
+            ``optimizer`` holds the DTensor parameters).
+
+    Returns:
+        Names (``_param_name``) of the parameters whose state was filled or refreshed here.
+
+    Raises:
+        ValueError: on every rank sharing the parameters, if they are at different steps.
+    """
+    inner = dist_optimizer.optimizer
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if not params:
+        return []
+    agreement = agree_on_step(inner, _shard_groups(params[0]))
+    if not agreement.any_state:
+        return []
+    tensor_keys = tuple(dist_optimizer.optimizer_state_keys)
+    per_param_step = isinstance(inner, _PER_PARAM_STEP) and agreement.step is not None
+    filled = []
+    for group in inner.param_groups:
+        keys = tensor_keys + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for p in group["params"]:
+            if _local_tensor(p).numel() != 0:
+                continue
+            state = inner.state[p]
+            for key in keys:
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if per_param_step:
+                state["step"] = torch.tensor(agreement.step, dtype=_scalar_dtype())
+            filled.append(dist_optimizer._param_name(p))
+    return filled
+
+
+# --------------------------------------------------------------------------------------------
 # Patches
 # --------------------------------------------------------------------------------------------
 
@@ -809,11 +965,19 @@ class _PlannerNamespace:
         return getattr(self._module, name)
 
 
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+_FSDP_BUFFER = ("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer."
+                "ParamAndGradBuffer")
+
+
 class FsdpDTensorFix(Fix):
     name = "fsdp_dtensor"
     title = ("Megatron-FSDP fsdp_dtensor checkpoints: fused MLA down projection and MTP saved in "
-             "the unfused layout, legacy layouts still load, partial loads honour strictness")
-    upstream_refs = ("Megatron-LM PR 6271",)
+             "the unfused layout, legacy layouts still load, partial loads honour strictness, "
+             "empty FSDP shards no longer hang the save/load")
+    upstream_refs = ("Megatron-LM PR 6271",
+                     "megatron-core 0.19.2 param_and_grad_buffer.py:3393 (empty shard: no "
+                     "optimizer state, ranks issue different collectives)")
     package = "megatron-core"
     supported = "==0.19.2"
     patches = (
@@ -833,6 +997,13 @@ class FsdpDTensorFix(Fix):
             replacement="the original plus megatron.fixes.fsdp_dtensor.handle_unexpected_keys",
             why="a partial load (--no-strict-fsdp-dtensor-load) no longer silently keeps model "
                 "weights missing from the checkpoint at their initial values"),
+        PatchSpec(
+            target=f"{_DISTOPT}.sharded_param_state_fsdp_dtensor",
+            replacement="(on load) upstream's dummy state init, then "
+                        "megatron.fixes.fsdp_dtensor.fill_empty_shard_states, then the original",
+            why="parameters with an empty local FSDP shard had no optimizer state, so ranks "
+                "packed different keys and the per-DTensor collectives of the fsdp_dtensor "
+                "save/load hung (empty iter_* directory)"),
     )
 
     def __init__(self) -> None:
@@ -841,7 +1012,9 @@ class FsdpDTensorFix(Fix):
         self.handle_mtp = True
         self.last_unexpected_keys: frozenset = frozenset()
 
-    def upstream_behaves(self) -> bool:
+    @staticmethod
+    def layout_upstream_fixed() -> bool:
+        """Upstream handles the fused MLA projection / MTP rename in the fsdp_dtensor path."""
         import megatron.core.transformer.fsdp_dtensor_checkpoint as handlers
         from megatron.training import checkpointing
 
@@ -851,10 +1024,53 @@ class FsdpDTensorFix(Fix):
             source = inspect.getsource(handlers) + inspect.getsource(original)
         except (OSError, TypeError):  # no source shipped: rely on the version pin
             return False
-        # upstream handling of the fused projection or the MTP rename in the fsdp_dtensor path
         return FUSED in source or MTP_LIVE in source
 
+    @staticmethod
+    def empty_shards_upstream_fixed() -> bool:
+        """Upstream gives empty-shard parameters optimizer state (or keeps their gradient)."""
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+            ParamAndGradBuffer)
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        packer = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+        packer = getattr(packer, "__wrapped__", packer)
+        try:
+            grads = inspect.getsource(ParamAndGradBuffer.update_main_grads)
+            packs = inspect.getsource(packer)
+        except (OSError, TypeError):
+            return False
+        drops_grad = "numel() == 0" in grads and "grad = None" in grads
+        return not drops_grad or "numel()" in packs
+
+    def upstream_behaves(self) -> bool:
+        return self.layout_upstream_fixed() and self.empty_shards_upstream_fixed()
+
     def install(self, patcher: Patcher) -> None:
+        if not self.empty_shards_upstream_fixed():
+            self._install_empty_shards(patcher)
+        if not self.layout_upstream_fixed():
+            self._install_layout(patcher)
+
+    def _install_empty_shards(self, patcher: Patcher) -> None:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        original = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+
+        @functools.wraps(original)
+        def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+            if is_loading:
+                # upstream's own first step on load (placeholder state of the right shapes,
+                # later overwritten in place by the checkpoint); done here so that the empty
+                # shards' placeholders take the step it leaves, and not twice
+                self._init_optimizer_states_with_dummy_values()
+            fill_empty_shard_states(self)
+            return original(self, is_loading=False)
+
+        patcher.replace(DistributedOptimizer, "sharded_param_state_fsdp_dtensor",
+                        sharded_param_state_fsdp_dtensor)
+
+    def _install_layout(self, patcher: Patcher) -> None:
         from torch.distributed.checkpoint import default_planner
 
         from megatron.training import checkpointing

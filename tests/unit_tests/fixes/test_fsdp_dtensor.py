@@ -238,27 +238,59 @@ def test_unexpected_model_keys_only_model_requests():
 # ---- registration ------------------------------------------------------------------------------
 
 def test_fix_declaration_and_install_reset():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.training import checkpointing
 
     fix = fx.FIX
-    assert (fix.package, fix.supported, fix.upstream_refs) == (
-        "megatron-core", "==0.19.2", ("Megatron-LM PR 6271",))
+    assert (fix.package, fix.supported, fix.upstream_refs[0]) == (
+        "megatron-core", "==0.19.2", "Megatron-LM PR 6271")
     assert {p.target.rsplit(".", 1)[1] for p in fix.patches} == {
-        "preprocess_fsdp_dtensor_state_dict", "default_planner", "print_diff_in_state_dicts"}
-    assert not fix.upstream_behaves()  # 0.19.2 has the defect
+        "preprocess_fsdp_dtensor_state_dict", "default_planner", "print_diff_in_state_dicts",
+        "sharded_param_state_fsdp_dtensor"}
+    # 0.19.2 has both defects
+    assert not fix.upstream_behaves()
+    assert not fix.layout_upstream_fixed() and not fix.empty_shards_upstream_fixed()
     originals = (checkpointing.preprocess_fsdp_dtensor_state_dict, checkpointing.default_planner,
-                 checkpointing.print_diff_in_state_dicts)
+                 checkpointing.print_diff_in_state_dicts,
+                 DistributedOptimizer.sharded_param_state_fsdp_dtensor)
     try:
         assert fix.apply().value == "active"
         assert checkpointing.preprocess_fsdp_dtensor_state_dict is not originals[0]
         assert checkpointing.default_planner.DefaultLoadPlanner.__name__ == "FsdpDTensorLoadPlanner"
         assert checkpointing.default_planner.create_default_local_load_plan is \
             originals[1].create_default_local_load_plan
+        assert DistributedOptimizer.sharded_param_state_fsdp_dtensor.__wrapped__ is originals[3]
         assert fix.apply().value == "active"  # idempotent
+        assert not fix.empty_shards_upstream_fixed()  # sees through its own wrapper
     finally:
         fix.reset()
     assert (checkpointing.preprocess_fsdp_dtensor_state_dict, checkpointing.default_planner,
-            checkpointing.print_diff_in_state_dicts) == originals
+            checkpointing.print_diff_in_state_dicts,
+            DistributedOptimizer.sharded_param_state_fsdp_dtensor) == originals
+
+
+def test_install_only_what_upstream_still_lacks(monkeypatch):
+    """A later upstream that fixed one of the two defects keeps its own code for that one."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.training import checkpointing
+
+    fix = fx.FsdpDTensorFix()
+    before = (checkpointing.preprocess_fsdp_dtensor_state_dict,
+              DistributedOptimizer.sharded_param_state_fsdp_dtensor)
+    for layout_ok, empty_ok in ((True, False), (False, True)):
+        monkeypatch.setattr(fx.FsdpDTensorFix, "layout_upstream_fixed",
+                            staticmethod(lambda: layout_ok))
+        monkeypatch.setattr(fx.FsdpDTensorFix, "empty_shards_upstream_fixed",
+                            staticmethod(lambda: empty_ok))
+        try:
+            assert fix.apply().value == "active"
+            assert (checkpointing.preprocess_fsdp_dtensor_state_dict is before[0]) == layout_ok
+            assert (DistributedOptimizer.sharded_param_state_fsdp_dtensor is before[1]) == empty_ok
+        finally:
+            fix.reset()
+    monkeypatch.setattr(fx.FsdpDTensorFix, "layout_upstream_fixed", staticmethod(lambda: True))
+    assert fix.apply().value == "stands aside: upstream already behaves"
+    fix.reset()
 
 
 def test_prepared_state_dict_copies_are_plain():

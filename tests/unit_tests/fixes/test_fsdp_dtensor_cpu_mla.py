@@ -73,3 +73,35 @@ def test_mla_layers_from_local_spec_on_cpu_backend():
     """Upstream's local spec fails on k_channels; swapped, MLA and fused MLA layers build, run
     forward/backward, and agree when the fused weight is the concatenation of the unfused ones."""
     run_distributed(fsdp_cpu_mla_bodies.mla_layers, 1, timeout=300)
+
+
+def test_gpt_builder_builds_fused_mla_and_mtp_after_adapt_model_config():
+    """megatron.cpu.specs.adapt_model_config: upstream's GPTModelBuilder builds (fused) MLA in the
+    decoder and in the MTP layer with CpuMLACoreAttention; forward/backward finite."""
+    run_distributed(fsdp_cpu_mla_bodies.gpt_builder_mla_mtp, 1, timeout=300)
+
+
+def test_adapt_model_config_no_op_and_errors():
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.cpu import specs
+
+    dense = fsdp_cpu_mla_bodies._mla_gpt_config(False)
+    dense.transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    specs.adapt_model_config(dense)
+    assert dense.transformer_layer_spec is None and not specs._state["installed"]
+
+    cfg = fsdp_cpu_mla_bodies._mla_gpt_config(True)
+    cfg.transformer = dataclasses.replace(cfg.transformer, q_lora_rank=None)
+    with pytest.raises(ValueError, match="needs --q-lora-rank"):
+        specs.adapt_model_config(cfg)
+    cfg = fsdp_cpu_mla_bodies._mla_gpt_config(False)
+    cfg.transformer.attention_backend = AttnBackend.local
+    with pytest.raises(ValueError, match="attention-backend local"):
+        specs.adapt_model_config(cfg)
+    assert cfg.transformer_layer_spec is None and not specs._state["installed"]
+    with pytest.raises(ValueError, match="not adapted"):
+        specs.cpu_transformer_layer_spec(cfg)
