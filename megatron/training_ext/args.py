@@ -100,6 +100,18 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(<ckpt>/modelopt_state, e.g. written by tools/quantize.py) into the "
                             "freshly built model, so quantizers load and train under any TP/EP/ETP. "
                             "Upstream 0.19.2 lacks this step (megatron.post_training).")
+    # Validated local checkpoint tier (megatron/training_ext/local_tier.py; issue 6).
+    group.add_argument("--no-local-tier-validation", dest="local_tier_validation",
+                       action="store_false",
+                       help="With --non-persistent-ckpt-type local: load local checkpoints as "
+                            "upstream does (no checksum/finiteness verification, no fallback to "
+                            "the persistent checkpoint, bad-tier markers ignored, no NaN window).")
+    group.add_argument("--local-tier-nan-window", type=int, default=None, metavar="N",
+                       help="With local checkpoints: for N iterations after resuming from the local "
+                            "tier, a NaN/Inf loss or grad norm marks the local tier bad (marker "
+                            "file LOCAL_TIER_BAD.json in each rank's local checkpoint directory) and "
+                            "exits with code 75, so that the next start loads the persistent "
+                            "checkpoint. Default 50; 0 disables.")
     return parser
 
 
@@ -113,6 +125,25 @@ def validate_fork_args(args: argparse.Namespace) -> None:
             raise SystemExit("--restore-modelopt-state: ModelOpt state does not support virtual "
                              "pipeline parallelism")
 
+    _validate_local_tier_args(args)
+
+
+def _validate_local_tier_args(args: argparse.Namespace) -> None:
+    """``--local-tier-nan-window``: >= 0; > 0 needs local-tier validation (markers are honoured
+    by the validated load path). Resolves the default (50, or 0 with --no-local-tier-validation)."""
+    window = getattr(args, "local_tier_nan_window", None)
+    validation = getattr(args, "local_tier_validation", True)
+    if window is None:
+        from megatron.training_ext.local_tier import DEFAULT_NAN_WINDOW
+
+        args.local_tier_nan_window = DEFAULT_NAN_WINDOW if validation else 0
+    elif window < 0:
+        raise SystemExit(f"--local-tier-nan-window must be >= 0 (got {window})")
+    elif window > 0 and not validation:
+        raise SystemExit("--local-tier-nan-window > 0 needs local-tier validation: the bad-tier "
+                         "marker it writes is honoured only by the validated load path (drop "
+                         "--no-local-tier-validation or set --local-tier-nan-window 0)")
+
 
 def install_training_hooks(args: argparse.Namespace) -> None:
     """Install the training-path behaviour this fork's flags switch on (called before pretrain)."""
@@ -120,3 +151,12 @@ def install_training_hooks(args: argparse.Namespace) -> None:
         from megatron.training_ext import loss_log
 
         loss_log.install(args.loss_log)
+    if getattr(args, "non_persistent_ckpt_type", None) == "local" and getattr(
+            args, "local_tier_validation", True):
+        from megatron.training_ext import local_tier
+
+        local_tier.install(args)
+    if os.environ.get("MEGATRON_TEST_FAULT") or os.environ.get("MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"):
+        from megatron.training_ext import fault_injection  # test-only hooks
+
+        fault_injection.install_from_env(args)

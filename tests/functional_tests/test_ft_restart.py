@@ -1,0 +1,183 @@
+"""In-job restart with NVRx ``ft_launcher`` and the validated local checkpoint tier
+(``megatron/training_ext/local_tier.py``), on the real entrypoint (2 ranks, ``--cpu``).
+
+Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations and
+local checkpoints every 2, replicated to the other rank. Faults are deterministic
+(:mod:`megatron.training_ext.fault_injection`): rank 1 leaves with ``os._exit(1)`` just before
+iteration 7, after the local checkpoint at 6 was saved.
+
+Runs 1 and 2 go through the example launcher ``examples/ft_launcher/pretrain_gpt_ft.sh``.
+
+1. Node loss: rank 1 also deletes its local checkpoint directory. ``ft_launcher`` restarts both
+   workers in the job; they resume from local 6, rank 1's shard retrieved from its replica on
+   rank 0, and iterations 7-12 are bitwise equal to an uninterrupted run.
+2. Corrupted replica: as 1, and one byte of the replica rank 1 will retrieve is flipped. The
+   restart rejects the local tier on both ranks (one log line each: checksum mismatch), loads
+   persistent 5 and finishes, bitwise equal from iteration 6 on.
+3. NaN after a local resume (continuing run 2's directory: local 12, persistent 10): the loss turns
+   NaN at 14, two iterations after resuming from local 12; both ranks write the bad-tier marker and
+   exit with code 75 without saving. The next start (the same command, injection still armed)
+   sees the markers, loads persistent 10, finishes, and clears the markers at its first local save.
+
+Skipped only where ``ft_launcher`` cannot run (the reason is given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training_ext import loss_log
+from megatron.training_ext.local_tier import LOCAL_TIER_BAD_EXIT_CODE, MARKER_NAME
+from tests.functional_tests.launch import ENTRY, REPO, TINY_GPT, assert_bitwise_equal, device, run_pretrain
+from tests.helpers.dist import free_port
+
+pytestmark = pytest.mark.slow
+
+FT_LAUNCHER = Path(sys.executable).parent / "ft_launcher"
+FT_EXAMPLE = REPO / "examples" / "ft_launcher" / "pretrain_gpt_ft.sh"
+SCHEDULE = ["--train-iters", "16", "--exit-interval", "12"]
+TIERS = ["--save", "ckpt", "--load", "ckpt", "--save-interval", "5",
+         "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "2",
+         "--non-persistent-local-ckpt-dir", "local",
+         "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+
+
+@pytest.fixture(scope="module")
+def ft_launcher():
+    """Path of ``ft_launcher``, or skip with the reason it cannot run here."""
+    if not FT_LAUNCHER.exists():
+        pytest.skip(f"ft_launcher not installed next to {sys.executable} (nvidia-resiliency-ext)")
+    proc = subprocess.run([str(FT_LAUNCHER), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"ft_launcher --help failed ({proc.returncode}): {proc.stdout[-1000:]}")
+    return FT_LAUNCHER
+
+
+def run_ft(workdir: Path, *args: str, env: dict | None = None, max_restarts: int = 1,
+           timeout: float = 1500) -> tuple[int, str, Path]:
+    """The example launcher ``examples/ft_launcher/pretrain_gpt_ft.sh`` (ft_launcher with
+    ``ft_config.yaml``, 2 workers, ``--enable-ft-package``) running
+    ``pretrain_gpt.py [--cpu] TINY_GPT ARGS`` in ``workdir``; returns (exit code, output, loss log)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "losses.jsonl"
+    cmd = ["bash", str(FT_EXAMPLE), str(ENTRY)]
+    if device(env) == "cpu":
+        cmd.append("--cpu")
+    cmd += TINY_GPT + ["--mock-data"] + list(args) + ["--loss-log", str(log)]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NPROC_PER_NODE": "2", "NNODES": "1",
+                "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "FT_MAX_RESTARTS": str(max_restarts),
+                "FT_LAUNCHER": str(FT_LAUNCHER), "PYTHON": sys.executable, **(env or {})}
+    proc = subprocess.run(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, log
+
+
+def sequence(path: Path) -> list[int]:
+    """Iterations in the order they were logged (restarts append to the same file)."""
+    return [json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def rejection_lines(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if "[local-tier] rank" in ln and "tier rejected" in ln]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = run_pretrain(tmp_path_factory.mktemp("straight"), *SCHEDULE)
+    assert sorted(run.losses) == list(range(1, 13))
+    return run.losses
+
+
+def _fault(workdir: Path, **extra) -> dict:
+    spec = f"rank=1,iteration=6,wipe_local=1,once={workdir / 'fault.done'}"
+    spec += "".join(f",{k}={v}" for k, v in extra.items())
+    return {"MEGATRON_TEST_FAULT": spec}
+
+
+def test_in_job_restart_recovers_lost_rank_from_replica_bitwise(ft_launcher, tmp_path, straight):
+    rc, out, log = run_ft(tmp_path, *SCHEDULE, *TIERS, env=_fault(tmp_path))
+    assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
+    assert "[fault-injection] rank 1: deleted its local checkpoint directory" in out
+    assert "[fault-injection] rank 1: crashing (os._exit(1)) before iteration 7" in out
+    assert "will restart worker group" in out
+    assert "local checkpoint at iteration 6 verified on all ranks" in out
+    assert "successfully loaded checkpoint from ckpt" in out and "at iteration 6" in out
+    assert not rejection_lines(out)
+    # first run: 1-6, killed before 7; the restarted run resumed at 7 (nothing logged twice)
+    assert sequence(log) == list(range(1, 13))
+    assert_bitwise_equal(straight, loss_log.read(str(log)), range(1, 13))
+
+
+@pytest.fixture(scope="module")
+def corrupted_replica_run(ft_launcher, tmp_path_factory):
+    work = tmp_path_factory.mktemp("corrupt")
+    # the file rank 0 holds for rank 1 and will send to it after rank 1's directory is gone
+    replica = work / "local" / "0" / "iter_0000006_1_local.pt"
+    rc, out, log = run_ft(work, *SCHEDULE, *TIERS, env=_fault(work, corrupt=replica))
+    return work, rc, out, log
+
+
+def test_corrupted_replica_falls_back_to_persistent(corrupted_replica_run, straight):
+    work, rc, out, log = corrupted_replica_run
+    assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
+    assert "[fault-injection] rank 1: flipped a byte" in out
+    lines = rejection_lines(out)
+    assert sorted(ln.split(":")[0] for ln in lines) == ["[local-tier] rank 0", "[local-tier] rank 1"], lines
+    for ln in lines:
+        assert "local checkpoint at iteration 6 failed" in ln and "ChecksumMismatchError" in ln, ln
+        assert "checksum mismatch" in ln, ln
+        assert "-> loading the newest persistent checkpoint: iteration 5 in ckpt" in ln, ln
+    assert "successfully loaded checkpoint from ckpt" in out and "at iteration 5" in out
+    # 1-6, then the restart from persistent 5 logs 6-12 again
+    assert sequence(log) == list(range(1, 7)) + list(range(6, 13))
+    assert_bitwise_equal(straight, loss_log.read(str(log)), range(1, 13))
+    # rejected files were quarantined, then removed at the first complete local save (6)
+    for holder in (0, 1):
+        d = work / "local" / str(holder)
+        assert sorted(p.name for p in d.iterdir()) == ["iter_0000012_0_local.pt", "iter_0000012_1_local.pt"]
+
+
+def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
+        corrupted_replica_run, tmp_path, straight):
+    src, rc, _, _ = corrupted_replica_run
+    assert rc == 0
+    work = tmp_path / "nan"
+    shutil.copytree(src / "ckpt", work / "ckpt")
+    shutil.copytree(src / "local", work / "local")
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    env = {"MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD": "14"}
+    args = ["--train-iters", "16", *TIERS]
+
+    first = run_pretrain(work, *args, env=env, check=False, loss_file="first.jsonl")
+    assert first.returncode != 0
+    assert f"exitcode  : {LOCAL_TIER_BAD_EXIT_CODE}" in first.output, first.output[-4000:]
+    assert "local checkpoint at iteration 12 verified on all ranks" in first.output
+    assert sorted(first.losses) == [13], "iteration 14 diverged and must not be logged"
+    for rank in (0, 1):
+        marker = json.loads((work / "local" / str(rank) / MARKER_NAME).read_text())
+        assert marker["iteration"] == 14 and marker["local_checkpoint_iteration"] == 12
+        assert marker["exit_code"] == LOCAL_TIER_BAD_EXIT_CODE and marker["rank"] == rank
+        assert "non-finite" in marker["reason"] or "NaN" in marker["reason"], marker
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10", \
+        "nothing may be saved from the diverged state"
+
+    second = run_pretrain(work, *args, env=env, loss_file="second.jsonl")
+    lines = rejection_lines(second.output)
+    assert len(lines) == 2 and all("bad-tier marker" in ln and "at iteration 14" in ln for ln in lines), lines
+    assert all("iteration 10 in ckpt" in ln for ln in lines), lines
+    assert "[fault-injection]" not in second.output, "resumed from persistent: no injection"
+    assert sorted(second.losses) == list(range(11, 17))
+    assert_bitwise_equal(straight, second.losses, range(11, 13))
+    for rank in (0, 1):
+        d = work / "local" / str(rank)
+        assert not (d / MARKER_NAME).exists() and not (d / "rejected").exists()
+    assert "removed the bad-tier marker" in second.output
