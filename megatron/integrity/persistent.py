@@ -1,0 +1,676 @@
+"""Read access to a persistent ``torch_dist`` checkpoint for the verifier: locating the iteration
+directory, metadata checks (chunk coverage, storage ranges), reading arbitrary tensor regions and
+objects, streaming every chunk of one data file, and megatron-core's integrity manifest.
+
+Format (megatron-core 0.19.2, ``--ckpt-format torch_dist``): an iteration directory
+``<save>/iter_<7 digits>/`` written by PyTorch Distributed Checkpoint (DCP) through megatron-core's
+``TorchDistSaveShardedStrategy``:
+
+* ``.metadata``: pickled ``torch.distributed.checkpoint.metadata.Metadata``.
+  ``state_dict_metadata[key]`` is a ``TensorStorageMetadata`` (global ``size``, ``properties.dtype``,
+  ``chunks``: ``ChunkStorageMetadata(offsets, sizes)`` in elements) for every ``ShardedTensor.key``
+  (layer-stacked keys include the prepended axes), or a ``BytesStorageMetadata`` for every
+  ``ShardedObject`` (key ``ShardedObject.unique_key`` = ``"<key>/shard_<offsets>_<shape>"``, offsets
+  and shape dot-joined) and ``common_state/shard_0_1``.
+  ``storage_data[MetadataIndex(key, chunk offsets)]`` gives the data file (``__<rank>_<n>.distcp``),
+  byte offset and length of the chunk's ``torch.save`` blob.
+* ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
+* ``integrity.json`` (only when saved with ``--verify-integrity``): megatron-core's per-file SHA-256
+  manifest (``megatron.core.dist_checkpointing.validation.save_integrity_manifest``).
+
+Tensor data is read with DCP's own reader (``FileSystemReader.read_data``) and a small
+``LoadPlanner`` that places each ``ReadItem`` into a caller-provided buffer; read items for an
+arbitrary region come from ``torch.distributed.checkpoint.planner_helpers.create_read_items_for_chunk_list``
+(the same resharding computation DCP's loader uses), so regions that span several saved chunks
+work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import mmap
+import os
+import re
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron.integrity._readahead import ReadAhead
+from megatron.integrity.report import Problem
+
+__all__ = [
+    "CheckpointInputError",
+    "INTEGRITY_FNAME",
+    "PersistentCheckpoint",
+    "check_chunk_cover",
+    "resolve_persistent_dir",
+]
+
+INTEGRITY_FNAME = "integrity.json"
+_ITER_DIR = re.compile(r"iter_(\d+)$")
+
+
+class CheckpointInputError(ValueError):
+    """The verifier was given something it cannot verify (missing directory, no checkpoint files,
+    unsupported format, local and persistent iterations that differ...). The message says what is
+    wrong and what to pass instead."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating the iteration directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _iteration_dirs(root: Path) -> Dict[int, Path]:
+    out = {}
+    for p in root.iterdir():
+        m = _ITER_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def resolve_persistent_dir(path: Union[str, os.PathLike], iteration: Optional[int] = None) -> Tuple[Path, Optional[int]]:
+    """Find the iteration directory of a persistent checkpoint.
+
+    Args:
+        path: either an iteration directory (holds ``.metadata``) or a ``--save`` root (holds
+            ``iter_<7 digits>/`` directories and usually ``latest_checkpointed_iteration.txt``).
+        iteration: for a root: which iteration to use (default: the one in
+            ``latest_checkpointed_iteration.txt``, else the highest). For an iteration directory:
+            must match its name.
+
+    Returns:
+        ``(iteration_dir, iteration)``; ``iteration`` is ``None`` only for a directory whose name is
+        not ``iter_<n>`` (the caller then reads it from the checkpoint's common state).
+
+    Raises:
+        CheckpointInputError: the path does not exist, holds no checkpoint, the requested iteration
+            is absent (the message lists the ones present), or the format is not ``torch_dist``.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointInputError(f"persistent checkpoint path {p} does not exist")
+    if not p.is_dir():
+        raise CheckpointInputError(f"persistent checkpoint path {p} is not a directory")
+    if (p / ".metadata").is_file():
+        m = _ITER_DIR.fullmatch(p.name)
+        it = int(m.group(1)) if m else None
+        if iteration is not None and it is not None and it != iteration:
+            raise CheckpointInputError(
+                f"persistent checkpoint {p} is iteration {it}, but iteration {iteration} was requested; "
+                f"pass {p.parent / f'iter_{iteration:07d}'} (if it exists) or the matching iteration"
+            )
+        _check_backend(p)
+        return p, it if it is not None else iteration
+    dirs = _iteration_dirs(p)
+    if not dirs:
+        raise CheckpointInputError(
+            f"{p} is neither a torch_dist iteration directory (no .metadata file) nor a checkpoint root "
+            f"(no iter_<N> subdirectories)"
+        )
+    if iteration is None:
+        tracker = p / "latest_checkpointed_iteration.txt"
+        text = tracker.read_text().strip() if tracker.is_file() else ""
+        iteration = int(text) if text.isdigit() and int(text) in dirs else max(dirs)
+    if iteration not in dirs:
+        raise CheckpointInputError(
+            f"persistent checkpoint root {p} has no iteration {iteration}; it has iteration(s) "
+            f"{sorted(dirs)}. Save a persistent checkpoint at iteration {iteration} or verify a local "
+            f"checkpoint of one of those iterations (--iteration)"
+        )
+    d = dirs[iteration]
+    if not (d / ".metadata").is_file():
+        raise CheckpointInputError(
+            f"{d} has no .metadata file: the save of iteration {iteration} is incomplete or not torch_dist"
+        )
+    _check_backend(d)
+    return d, iteration
+
+
+def _check_backend(d: Path) -> None:
+    meta = d / "metadata.json"
+    if not meta.is_file():
+        return  # a plain DCP directory: readable the same way
+    try:
+        backend = json.loads(meta.read_text()).get("sharded_backend")
+    except (OSError, ValueError) as e:
+        raise CheckpointInputError(f"cannot read {meta}: {e}") from e
+    if backend != "torch_dist":
+        raise CheckpointInputError(
+            f"{d} is a '{backend}' checkpoint; only torch_dist checkpoints (--ckpt-format torch_dist) "
+            "can be verified"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk geometry
+# ---------------------------------------------------------------------------------------------
+
+
+def _volume(sizes: Sequence[int]) -> int:
+    return math.prod(int(s) for s in sizes)
+
+
+def _overlap(a_off, a_sz, b_off, b_sz) -> bool:
+    return all(ao < bo + bs and bo < ao + asz for ao, asz, bo, bs in zip(a_off, a_sz, b_off, b_sz))
+
+
+def check_chunk_cover(shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> List[str]:
+    """Whether ``chunks`` tile a tensor of ``shape`` exactly: every chunk inside the bounds, no two
+    chunks overlapping, and together every element covered.
+
+    Args:
+        shape: global shape (elements per axis).
+        chunks: ``(offsets, sizes)`` per chunk, in elements.
+
+    Returns:
+        Descriptions of what is wrong (empty when the cover is exact). Overlap detection sweeps
+        along the longest axis, so it is about linear in the number of chunks for grid shardings.
+    """
+    errors: List[str] = []
+    ndim = len(shape)
+    good = []
+    for off, sz in chunks:
+        if len(off) != ndim or len(sz) != ndim:
+            errors.append(f"chunk at {list(off)} has {len(off)} axes, the tensor has {ndim}")
+        elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, shape)):
+            errors.append(f"chunk at {list(off)} of size {list(sz)} exceeds the global shape {list(shape)}")
+        else:
+            good.append((tuple(off), tuple(sz)))
+    if ndim == 0:
+        n = len(good)
+        if n != 1:
+            errors.append(f"0-d tensor stored in {n} chunks")
+        return errors
+    dim = max(range(ndim), key=lambda i: shape[i])
+    order = sorted(range(len(good)), key=lambda i: good[i][0][dim])
+    active: List[int] = []
+    overlaps = 0
+    for i in order:
+        off, sz = good[i]
+        active = [j for j in active if good[j][0][dim] + good[j][1][dim] > off[dim]]
+        for j in active:
+            if _overlap(off, sz, *good[j]) and _volume(sz) and _volume(good[j][1]):
+                overlaps += 1
+                if overlaps <= 3:
+                    errors.append(f"chunks at {list(good[j][0])} and {list(off)} overlap")
+        active.append(i)
+    if overlaps > 3:
+        errors.append(f"... {overlaps} overlapping chunk pairs in all")
+    covered = sum(_volume(sz) for _, sz in good)
+    total = _volume(shape)
+    if not overlaps and covered != total:
+        errors.append(f"chunks cover {covered} of {total} elements (gap of {total - covered})")
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP reading
+# ---------------------------------------------------------------------------------------------
+
+
+class _CallbackPlanner(LoadPlanner):
+    """A ``LoadPlanner`` for ``FileSystemReader.read_data``: tensors go to ``resolve(read_item)``
+    (which returns the destination view), ``commit(read_item, tensor)`` is called after the copy,
+    byte objects go to ``load_bytes(read_item, BytesIO)``."""
+
+    def __init__(self, resolve=None, commit=None, load_bytes=None):
+        self._resolve, self._commit, self._load_bytes = resolve, commit, load_bytes
+
+    def set_up_planner(self, state_dict=None, metadata=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - not used (plans are built directly)
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan):  # pragma: no cover
+        return global_plan
+
+    def finish_plan(self, central_plan):  # pragma: no cover
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._load_bytes(read_item, value)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self._resolve(read_item)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        if self._commit is not None:
+            self._commit(read_item, tensor)
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        t = t.narrow(d, int(o), int(n))
+    return t
+
+
+class _MapView(io.RawIOBase):
+    """A seekable, read-only file over ``mm[start:start + length]`` (no copy of the range)."""
+
+    def __init__(self, mm: mmap.mmap, start: int, length: int):
+        super().__init__()
+        self._mm, self._start, self._len, self._pos = mm, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        a = self._start + self._pos
+        b[:n] = self._mm[a:a + n]
+        self._pos += n
+        return n
+
+
+class PersistentCheckpoint:
+    """An opened ``torch_dist`` iteration directory.
+
+    Args:
+        path: the iteration directory (see :func:`resolve_persistent_dir`).
+        iteration: its iteration, if known.
+
+    Attributes:
+        path: the directory.
+        iteration: training iteration (from the directory name, else from the common state).
+        metadata: the DCP ``Metadata``.
+        tensors: key -> ``TensorStorageMetadata``.
+        objects: key -> ``BytesStorageMetadata``.
+        data_files: data file name -> size in bytes (files referenced by ``storage_data``;
+            ``-1`` when missing).
+
+    Raises:
+        CheckpointInputError: ``.metadata`` cannot be read.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], iteration: Optional[int] = None):
+        self._maps: Dict[str, Optional[mmap.mmap]] = {}
+        self.path = Path(path)
+        self.reader = FileSystemReader(str(self.path))
+        try:
+            self.metadata = self.reader.read_metadata()
+        except Exception as e:  # corrupt or truncated .metadata
+            raise CheckpointInputError(f"cannot read {self.path / '.metadata'}: {type(e).__name__}: {e}") from e
+        self.reader.set_up_storage_reader(self.metadata, True)
+        self.tensors: Dict[str, TensorStorageMetadata] = {}
+        self.objects: Dict[str, BytesStorageMetadata] = {}
+        for k, v in self.metadata.state_dict_metadata.items():
+            if isinstance(v, TensorStorageMetadata):
+                self.tensors[k] = v
+            else:
+                self.objects[k] = v
+        self.storage = self.metadata.storage_data
+        self.data_files: Dict[str, int] = {}
+        for info in self.storage.values():
+            name = info.relative_path
+            if name not in self.data_files:
+                f = self.path / name
+                self.data_files[name] = f.stat().st_size if f.is_file() else -1
+        self.iteration = iteration if iteration is not None else self._iteration_from_common()
+
+    # ---- metadata ----------------------------------------------------------------------------
+
+    def _iteration_from_common(self) -> Optional[int]:
+        if "common_state/shard_0_1" not in self.objects:
+            return None
+        got = self.read_objects(["common_state/shard_0_1"])["common_state/shard_0_1"]
+        if isinstance(got, dict) and isinstance(got.get("iteration"), int):
+            return got["iteration"]
+        return None
+
+    def chunk_items(self) -> List[Tuple[str, int, ChunkStorageMetadata]]:
+        """``(key, chunk index, chunk)`` of every tensor chunk, sorted by key."""
+        return [(k, i, c) for k in sorted(self.tensors) for i, c in enumerate(self.tensors[k].chunks)]
+
+    def check_metadata(self) -> List[Problem]:
+        """Coverage of every tensor's global shape by its chunks, and storage entries (present, inside
+        an existing file). Reads no tensor data.
+
+        Returns:
+            ``coverage`` and ``storage`` problems (empty when the metadata is consistent).
+        """
+        problems: List[Problem] = []
+        for key in sorted(self.tensors):
+            md = self.tensors[key]
+            errs = check_chunk_cover(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+            for e in errs:
+                problems.append(Problem("coverage", f"persistent tensor '{key}' {list(md.size)}: {e}",
+                                        role="persistent", key=key, shape=list(md.size),
+                                        dtype=str(md.properties.dtype).removeprefix("torch.")))
+        for key, idx, chunk in self.chunk_items():
+            problems += self._storage_problems(MetadataIndex(key, chunk.offsets, idx), key, list(chunk.offsets))
+        for key in sorted(self.objects):
+            problems += self._storage_problems(MetadataIndex(key), key, None)
+        return problems
+
+    def _storage_problems(self, index: MetadataIndex, key: str, offsets) -> List[Problem]:
+        info = self.storage.get(index)
+        where = f"'{key}'" + (f" chunk at {offsets}" if offsets is not None else "")
+        if info is None:
+            return [Problem("storage", f"persistent {where} has no storage entry in .metadata",
+                            role="persistent", key=key, global_offset=offsets)]
+        size = self.data_files.get(info.relative_path, -1)
+        if size < 0:
+            return [Problem("storage", f"persistent {where}: data file {info.relative_path} is missing",
+                            file=info.relative_path, role="persistent", key=key, global_offset=offsets)]
+        end = int(info.offset) + int(info.length)
+        if end > size:
+            return [Problem("storage",
+                            f"persistent {where}: bytes {info.offset}..{end} lie beyond the end of "
+                            f"{info.relative_path} ({size} bytes): the file is truncated",
+                            file=info.relative_path, role="persistent", key=key, global_offset=offsets,
+                            details={"storage_offset": int(info.offset), "storage_length": int(info.length),
+                                     "file_size": size})]
+        return []
+
+    def storage_ok(self, index: MetadataIndex) -> bool:
+        info = self.storage.get(index)
+        return (info is not None and self.data_files.get(info.relative_path, -1) >= 0
+                and int(info.offset) + int(info.length) <= self.data_files[info.relative_path])
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def _map(self, name: str) -> Optional[mmap.mmap]:
+        if name not in self._maps:
+            try:
+                with open(self.path / name, "rb") as f:
+                    # private copy-on-write mapping: writable for torch.frombuffer, never written
+                    self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError):
+                self._maps[name] = None
+        return self._maps[name]
+
+    def chunk_view(self, key: str, chunk: ChunkStorageMetadata) -> Optional[torch.Tensor]:
+        """Zero-copy view of one saved chunk: a tensor over a memory map of its data file.
+
+        The chunk's blob (``torch.save`` zip inside the ``.distcp`` file) is opened on the meta device
+        (``torch.load(map_location="meta")``: dtype, shape, strides, storage offset, no data read)
+        and the position of its single storage record is taken from the zip directory (stdlib
+        ``zipfile``; records are stored uncompressed). Returns ``None`` whenever that does not hold
+        exactly (a storage transform, several storages, a non-contiguous or partial view, a dtype or
+        shape other than the metadata's, a record beyond the blob): callers then read the chunk
+        through DCP's reader, which copies.
+
+        Returns:
+            A read-only-in-practice CPU tensor of ``chunk.sizes`` and the checkpoint dtype, or ``None``.
+        """
+        index = MetadataIndex(key, chunk.offsets)
+        info = self.storage.get(index)
+        md = self.tensors.get(key)
+        if info is None or md is None or getattr(info, "transform_descriptors", None) or not self.storage_ok(index):
+            return None
+        mm = self._map(info.relative_path)
+        if mm is None:
+            return None
+        start, length = int(info.offset), int(info.length)
+        try:
+            meta = torch.load(_MapView(mm, start, length), map_location="meta", weights_only=True)
+            zf = zipfile.ZipFile(_MapView(mm, start, length))
+            records = [i for i in zf.infolist() if re.search(r"/data/\d+$", i.filename)]
+        except Exception:  # noqa: BLE001 - anything unexpected: use the general path
+            return None
+        if (not isinstance(meta, torch.Tensor) or meta.dtype != md.properties.dtype
+                or tuple(meta.shape) != tuple(chunk.sizes) or not meta.is_contiguous() or len(records) != 1
+                or records[0].compress_type != zipfile.ZIP_STORED):
+            return None
+        rec = records[0]
+        head = mm[start + rec.header_offset:start + rec.header_offset + 30]
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        data = rec.header_offset + 30 + name_len + extra_len
+        itemsize = meta.element_size()
+        nbytes = meta.numel() * itemsize
+        first = data + meta.storage_offset() * itemsize
+        if first + nbytes > data + rec.file_size or data + rec.file_size > length:
+            return None
+        if nbytes == 0:
+            return torch.empty(tuple(chunk.sizes), dtype=meta.dtype)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start + first)
+        return raw.view(meta.dtype).reshape(tuple(chunk.sizes))
+
+    def storage_range(self, key: str, offsets: Sequence[int]) -> Optional[Tuple[Path, int, int]]:
+        """``(data file path, byte offset, length)`` of the saved chunk of ``key`` at ``offsets``
+        (for read-ahead hints), or ``None``."""
+        info = self.storage.get(MetadataIndex(key, torch.Size(offsets)))
+        if info is None:
+            return None
+        return self.path / info.relative_path, int(info.offset), int(info.length)
+
+    def _read(self, items: List[ReadItem], planner: LoadPlanner, done: set) -> List[Tuple[ReadItem, BaseException]]:
+        """Run ``items`` through ``FileSystemReader.read_data`` in file/offset order. On an error,
+        retries the items not yet done one at a time so that each failure is attributed to its
+        item. ``done`` is filled by the planner callbacks with ``id(read_item)``.
+
+        Returns:
+            ``(read_item, exception)`` for every item that could not be read.
+        """
+        if not items:
+            return []
+
+        def order(ri: ReadItem):
+            info = self.storage.get(ri.storage_index)
+            return (info.relative_path, int(info.offset)) if info is not None else ("", -1)
+
+        items = sorted(items, key=order)
+        try:
+            self.reader.read_data(LoadPlan(items), planner).wait()
+            return []
+        except Exception:
+            pass
+        failed = []
+        for ri in items:
+            if id(ri) in done:
+                continue
+            try:
+                self.reader.read_data(LoadPlan([ri]), planner).wait()
+            except Exception as e:  # noqa: BLE001 - reported per item
+                failed.append((ri, e))
+        return failed
+
+    def _chunk_sizes(self, key: str) -> Dict[tuple, tuple]:
+        cache = self.__dict__.setdefault("_chunk_cache", {})
+        if key not in cache:
+            cache[key] = {tuple(c.offsets): tuple(c.sizes) for c in self.tensors[key].chunks}
+        return cache[key]
+
+    def read_regions(self, requests: Sequence[Tuple[str, Sequence[int], Sequence[int]]]) -> List[Union[torch.Tensor, str]]:
+        """Read regions of persistent tensors.
+
+        Args:
+            requests: ``(key, offsets, sizes)`` per region, in elements of the global tensor (one
+                entry per global axis, prepended axes included).
+
+        Returns:
+            Per request, a contiguous CPU tensor of shape ``sizes`` and the checkpoint's dtype
+            holding the region's values, or a message saying why it could not be read (key absent,
+            region not fully covered by saved chunks, storage unreadable). A region that is exactly
+            one saved chunk (the usual case: same parallelism) is a zero-copy view of the mapped file
+            (:meth:`chunk_view`); other regions are assembled by DCP's reader into new tensors.
+        """
+        results: List[Union[torch.Tensor, str]] = [""] * len(requests)
+        items: List[ReadItem] = []
+        for i, (key, offsets, sizes) in enumerate(requests):
+            md = self.tensors.get(key)
+            if md is None:
+                results[i] = f"key '{key}' is not in the persistent checkpoint"
+                continue
+            if len(offsets) != len(md.size):
+                results[i] = (f"'{key}' has {len(md.size)} axes {list(md.size)} in the persistent checkpoint, "
+                              f"the local shard {len(offsets)}")
+                continue
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            if tuple(offsets) in self._chunk_sizes(key) and self._chunk_sizes(key)[tuple(offsets)] == tuple(sizes):
+                view = self.chunk_view(key, chunk)  # the region is exactly one saved chunk
+                if view is not None:
+                    results[i] = view
+                    continue
+            ris = create_read_items_for_chunk_list(key, md, [chunk])
+            covered = sum(_volume(ri.lengths) for ri in ris)
+            if covered < _volume(sizes):
+                results[i] = (f"the persistent chunks of '{key}' {list(md.size)} cover only {covered} of the "
+                              f"{_volume(sizes)} elements of region offsets={list(offsets)} sizes={list(sizes)}")
+                continue
+            results[i] = torch.empty(tuple(sizes), dtype=md.properties.dtype)
+            for ri in ris:
+                items.append(dataclasses.replace(ri, dest_index=MetadataIndex(key, tuple(offsets), i)))
+        done: set = set()
+
+        def resolve(ri: ReadItem) -> torch.Tensor:
+            return _narrow(results[ri.dest_index.index], ri.dest_offsets, ri.lengths)
+
+        def commit(ri: ReadItem, _t) -> None:
+            done.add(id(ri))
+
+        for ri, e in self._read(items, _CallbackPlanner(resolve, commit), done):
+            info = self.storage.get(ri.storage_index)
+            where = f"{info.relative_path} @ {info.offset}" if info is not None else "no storage entry"
+            results[ri.dest_index.index] = (f"cannot read persistent chunk of '{ri.storage_index.fqn}' at "
+                                            f"{list(ri.storage_index.offset or ())} ({where}): {type(e).__name__}: {e}")
+        return results
+
+    def read_objects(self, keys: Sequence[str]) -> Dict[str, Any]:
+        """Read and unpickle byte objects (``ShardedObject`` / common state) by DCP key.
+
+        Returns:
+            key -> object, or the ``Exception`` that reading / unpickling raised (``KeyError`` for a
+            key not in the checkpoint).
+
+        Note: unpickling runs code named in the checkpoint (``torch.load(weights_only=False)``), as
+        loading the checkpoint for training does; verify only checkpoints you would load.
+        """
+        out: Dict[str, Any] = {}
+        items = []
+        for k in keys:
+            if k not in self.objects:
+                out[k] = KeyError(f"'{k}' is not in the persistent checkpoint")
+                continue
+            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k),
+                                  dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(k),
+                                  storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        done: set = set()
+
+        def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
+            done.add(id(ri))
+            try:
+                out[ri.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=False)
+            except Exception as e:  # noqa: BLE001
+                out[ri.dest_index.fqn] = e
+
+        for ri, e in self._read(items, _CallbackPlanner(load_bytes=load_bytes), done):
+            out[ri.dest_index.fqn] = e
+        return out
+
+    def stream_file(self, name: str, on_tensor: Callable[[str, ChunkStorageMetadata, torch.Tensor], None],
+                    on_object: Callable[[str, Any], None],
+                    readahead: Optional[ReadAhead] = None) -> List[Tuple[str, Optional[List[int]], BaseException]]:
+        """Read every chunk and object stored in data file ``name``, one at a time, in file order.
+
+        Args:
+            name: data file name (a key of :attr:`data_files`).
+            on_tensor: called with ``(key, chunk, tensor)`` for each chunk (tensor: the whole chunk,
+                CPU, the checkpoint's dtype; a zero-copy view of the mapped file where possible).
+            on_object: called with ``(key, object)`` for each byte object, unpickled.
+            readahead: if given, every entry's byte range is queued on it first and waited for before
+                the entry is used, so that reading and checking overlap.
+
+        Returns:
+            ``(key, chunk offsets or None, exception)`` for entries that could not be read. Entries
+            whose storage range is invalid (see :meth:`check_metadata`) are not read.
+        """
+        chunks: Dict[Tuple[str, tuple], ChunkStorageMetadata] = {}
+        for key, _i, c in self.chunk_items():
+            chunks[(key, tuple(c.offsets))] = c
+        entries = sorted(((int(info.offset), int(info.length), index) for index, info in self.storage.items()
+                          if info.relative_path == name and self.storage_ok(index)
+                          and (index.fqn in self.tensors or index.fqn in self.objects)),
+                         key=lambda e: e[0])
+        tickets = [readahead.add(self.path / name, off, length) if readahead is not None else -1
+                   for off, length, _ in entries]
+        items = []
+        for (off, length, index), ticket in zip(entries, tickets):
+            if readahead is not None:
+                readahead.wait(ticket)
+            if index.fqn in self.tensors:
+                c = chunks.get((index.fqn, tuple(index.offset or ())))
+                if c is None:
+                    continue
+                view = self.chunk_view(index.fqn, c)
+                if view is not None:
+                    on_tensor(index.fqn, c, view)
+                    del view
+                    continue
+                zeros = torch.Size([0] * len(c.sizes))
+                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zeros,
+                                      storage_index=index, storage_offsets=zeros, lengths=torch.Size(c.sizes)))
+            else:
+                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
+                                      storage_index=index, storage_offsets=torch.Size((0,)),
+                                      lengths=torch.Size((0,))))
+        done: set = set()
+        current: Dict[int, torch.Tensor] = {}
+
+        def resolve(ri: ReadItem) -> torch.Tensor:
+            md = self.tensors[ri.dest_index.fqn]
+            t = torch.empty(tuple(ri.lengths), dtype=md.properties.dtype)
+            current[id(ri)] = t
+            return t
+
+        def commit(ri: ReadItem, _t) -> None:
+            done.add(id(ri))
+            t = current.pop(id(ri))
+            on_tensor(ri.dest_index.fqn, chunks[(ri.dest_index.fqn, tuple(ri.dest_index.offset))], t)
+
+        def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
+            done.add(id(ri))
+            obj = torch.load(value, map_location="cpu", weights_only=False)
+            on_object(ri.dest_index.fqn, obj)
+
+        failed = self._read(items, _CallbackPlanner(resolve, commit, load_bytes), done)
+        return [(ri.storage_index.fqn, None if ri.storage_index.offset is None else list(ri.storage_index.offset), e)
+                for ri, e in failed]
+
+    # ---- integrity manifest (megatron-core) --------------------------------------------------
+
+    def manifest(self) -> Optional[dict]:
+        """megatron-core's ``integrity.json`` (``{"algorithm": "sha256", "files": {name: hex}}``) or
+        ``None`` when the checkpoint was saved without it.
+
+        Raises:
+            CheckpointInputError: the file exists but is not valid JSON.
+        """
+        p = self.path / INTEGRITY_FNAME
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except ValueError as e:
+            raise CheckpointInputError(f"{p} is not valid JSON: {e}") from e
