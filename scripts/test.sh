@@ -7,5 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/setup_test_services.sh || true   # single-node SLURM for test_slurm.py (skipped if it cannot install)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec .venv/bin/python -m pytest tests -m "not cluster" -p no:cacheprovider "$@"
