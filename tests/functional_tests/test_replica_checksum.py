@@ -8,27 +8,12 @@ import shutil
 
 import pytest
 
+from megatron.training_ext.fault_injection import flip_byte_in_largest_storage
 from tests.functional_tests.launch import run_pretrain
 
 pytestmark = pytest.mark.slow
 LOCAL = ["--save-interval", "1000", "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval",
          "5", "--replication", "--replication-jump", "1", "--replication-factor", "2"]
-
-
-def _flip_byte(path):
-    import struct
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset)
-        name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
-        pos = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def test_corrupted_replica_is_detected_and_never_loaded(tmp_path):
@@ -37,7 +22,7 @@ def test_corrupted_replica_is_detected_and_never_loaded(tmp_path):
     first = run_pretrain(tmp_path, *ckpt, "--exit-interval", "10", *LOCAL)
     assert max(first.losses) == 10
     shutil.rmtree(local / "1")
-    _flip_byte(local / "0" / "iter_0000010_1_local.pt")  # rank 1's replica, held by rank 0
+    flip_byte_in_largest_storage(str(local / "0" / "iter_0000010_1_local.pt"))  # rank 1's replica, held by rank 0
     resumed = run_pretrain(tmp_path, *ckpt, "--load", str(tmp_path / "ckpt"), *LOCAL, check=False)
     out = resumed.output.lower()
     assert "checksum" in out and "mismatch" in out, resumed.output[-4000:]
