@@ -53,13 +53,17 @@ before ``apply()`` is fixed too. Nothing else of upstream is touched.
    owner's replicas in flat per-dtype segments of at most ``bucket_bytes`` (the replica tensors
    are views of them; ``torch.save`` writes each segment once), so every message is received in
    place: no per-tensor allocation, no unpacking copy. Messages of all owners are interleaved
-   round-robin and ``pipeline_depth`` of them are in flight at once, so on a group of two both
-   directions are used. Peak extra memory: ``pipeline_depth * bucket_bytes`` of staging on the
-   communication device plus the tensor being converted; never a second copy of the model.
+   round-robin and up to ``2 * pipeline_depth`` of them are in flight at once, so on a group of
+   two both directions are used; the owner packs into ``pipeline_depth`` staging buffers, each
+   refilled only once the message it carried has completed. Peak extra memory:
+   ``pipeline_depth * bucket_bytes`` of staging on the communication device plus the tensor
+   being converted; never a second copy of the model.
 4. Checksums (:func:`megatron.integrity.checksums.tensor_checksum`, XXH3-64): the owner hashes
-   each stored tensor right after posting the message that carries its last byte, a receiver
-   hashes each tensor as soon as its last byte has arrived; both overlap with the messages in
-   flight. A second collective exchanges the owners' and the receivers' checksums and every rank
+   each stored tensor right after posting the message that carries its last byte (a tensor
+   packed into a staging bucket is hashed from its copy right after copying, while in cache; the
+   primary file holds the source bytes, so a faulty copy would still fail the primary's load
+   verification); a receiver hashes each tensor as soon as its last byte has arrived; both
+   overlap with the messages in flight. A second collective exchanges the owners' and the receivers' checksums and every rank
    compares every (owner, receiver, tensor): on any mismatch every rank raises
    :class:`~megatron.integrity.checksums.ChecksumMismatchError` naming key, sender rank and
    receiver rank, before ``LocalCheckpointManager.save`` writes a file, so no file is written.
@@ -138,7 +142,8 @@ DEFAULT_DIRECT_MIN_FRACTION = 4
 """By default tensors of at least ``bucket_bytes // 4`` bytes are sent from their own memory
 (no staging copy); smaller ones are packed."""
 DEFAULT_PIPELINE_DEPTH = 2
-"""Messages in flight at once; staging memory is ``pipeline_depth * bucket_bytes``."""
+"""Staging buffers; up to twice as many messages are in flight at once. Staging memory is
+``pipeline_depth * bucket_bytes``."""
 
 __all__ = [
     "ChecksumMismatchError",
@@ -660,6 +665,20 @@ def _replicate(self, local_ckpt, id_):
     send_ptrs = [t.data_ptr() if t.is_cpu else 0 for t in send_src]
     send_views: dict = {}
     inflight: collections.deque = collections.deque()
+    # A staging slot is reused only once the message that last used it has completed; messages
+    # that need no staging (direct sends, in-place receives) only count against the in-flight cap.
+    # So the owner packs its next bucket while its previous one is still on the wire.
+    max_inflight = 2 * depth
+    slot_last = [-1] * depth  # sequence number of the last message staged in each slot
+    count = {"posted": 0, "finished": 0, "staged": 0}
+
+    def take_slot(size: int) -> torch.Tensor:
+        slot = count["staged"] % depth
+        count["staged"] += 1
+        while count["finished"] <= slot_last[slot]:
+            finish()
+        slot_last[slot] = count["posted"]
+        return staging.get(slot, size)
 
     def src_bytes(i: int) -> torch.Tensor:
         if i not in send_views:
@@ -669,6 +688,7 @@ def _replicate(self, local_ckpt, id_):
     def finish() -> None:
         work, msg, buf, staged = inflight.popleft()
         work.wait()
+        count["finished"] += 1
         if msg.src == me:
             return
         r = msg.src
@@ -679,32 +699,37 @@ def _replicate(self, local_ckpt, id_):
             if remaining[r][i] == 0:
                 checksum_received(r, i)
 
-    for k, msg in enumerate(schedule):
-        while len(inflight) >= depth:
+    entries_me = records[me]["entries"]
+    for msg in schedule:
+        while len(inflight) >= max_inflight:
             finish()
-        slot = k % depth
         if msg.src == me:
             i, toff, length, _ = msg.pieces[0]
             if msg.direct and send_src[i].device == device:
                 buf, staged = src_bytes(i)[toff:toff + length], False
             else:
-                buf, staged = staging.get(slot, msg.size), True
+                buf, staged = take_slot(msg.size), True
                 if staging_cpu and all(send_ptrs[p[0]] for p in msg.pieces):
                     base = buf.data_ptr()
                     for i, toff, length, moff in msg.pieces:
                         ctypes.memmove(base + moff, send_ptrs[i] + toff, length)
+                        if length == entries_me[i]["nbytes"]:
+                            # the whole tensor was just copied: hash the copy while it is still
+                            # in cache (one read of the source instead of two)
+                            sums[me][i] = _cpu_checksum(base + moff, length)
                 else:
                     for i, toff, length, moff in msg.pieces:
                         buf[moff:moff + length].copy_(src_bytes(i)[toff:toff + length])
         elif recv_device == device:
             buf, staged = flats[msg.src][msg.group][msg.start:msg.start + msg.size], False
         else:
-            buf, staged = staging.get(slot, msg.size), True
+            buf, staged = take_slot(msg.size), True
         work = _broadcast(buf, group.get_global_rank(msg.src), group.group)
         inflight.append((work, msg, buf, staged))
+        count["posted"] += 1
         if msg.src == me:  # owner checksums, overlapping the transfer just posted
             for i, toff, length, _ in msg.pieces:
-                if toff + length == records[me]["entries"][i]["nbytes"]:
+                if toff + length == entries_me[i]["nbytes"] and sums[me][i] is None:
                     sums[me][i] = _stored_checksum(stored[i])
     while inflight:
         finish()
@@ -897,8 +922,9 @@ if _UpstreamClique is not None:
                 16 MiB on CUDA (NCCL).
             direct_min_bytes: tensors at least this large are sent without a staging copy;
                 ``None`` (default): ``bucket_bytes // 4``. Capped at ``bucket_bytes``.
-            pipeline_depth: messages in flight (default 2); staging memory is
-                ``pipeline_depth * bucket_bytes`` on the communication device.
+            pipeline_depth: staging buffers (default 2); up to ``2 * pipeline_depth`` messages
+                are in flight; staging memory is ``pipeline_depth * bucket_bytes`` on the
+                communication device.
 
         Raises:
             ValueError: a size or depth is not positive.

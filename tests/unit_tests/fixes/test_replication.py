@@ -13,12 +13,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import struct
-import zipfile
 
 import pytest
 import torch
 
+from megatron.training_ext.fault_injection import flip_byte_in_largest_storage
 from tests.helpers.dist import run_distributed
 
 import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
@@ -249,19 +248,84 @@ def _fixed_dense(rank, root):
     _check_files_against(root, all_expected, "dense views and gloo-unsupported dtypes")
 
 
+class _DeferredWork:
+    """A broadcast that only moves bytes when it is waited for: whatever the sender wrote into
+    the buffer between posting and completion is what arrives, so reusing a staging buffer
+    before its message completed would deterministically corrupt a replica."""
+
+    def __init__(self, buf, src, group):
+        self.args = (buf, src, group)
+
+    def wait(self):
+        import torch.distributed as dist
+
+        buf, src, group = self.args
+        dist.broadcast(buf, src=src, group=group)
+        return True
+
+
 def _fixed_buckets(rank, root):
     """Small bucket/direct thresholds so one save uses packed buckets, direct chunks and tensors
     split across several messages; pipeline depth 3."""
     from megatron.fixes.replication import FixedCliqueReplicationStrategy
 
     g = torch.Generator().manual_seed(7 + rank)
-    tensors = {f"t{i:02d}": torch.randn(n, generator=g) for i, n in enumerate([3, 40, 1, 200, 17, 64, 5])}
+    sizes = [3, 40, 1, 200, 17, 64, 5] + [int(n) for n in torch.randint(1, 24, (40,), generator=torch.Generator().manual_seed(3))]
+    # (same sizes on every rank: megatron-core's sharding validation needs that)
+    tensors = {f"t{i:02d}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
     all_expected = _gather_expected(tensors)
     strategy = FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
     strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 64, 3
     _manager(root, strategy).save(_tasd(rank, tensors), ITER)
     _barrier()
     _check_files_against(root, all_expected, "tiny buckets")
+
+
+class _ListStateDict:
+    """A TensorAwareStateDict that is just a list of tensors (no sharding validation, so ranks
+    can hold different numbers of tensors)."""
+
+    def __init__(self, tensors):
+        self._tensors, self.is_hollow = list(tensors), False
+
+    @property
+    def tensors(self):
+        return iter(self._tensors)
+
+    def pop_tensors(self):
+        out, self._tensors, self.is_hollow = self._tensors, [], True
+        return out
+
+    def insert_tensors(self, tensors):
+        self._tensors, self.is_hollow = list(tensors), False
+
+
+def _staging_reuse(rank):
+    """Rank 0 owns 60 small tensors (many packed buckets), rank 1 owns 2, so most of the schedule
+    is rank 0's own staged messages back to back. Every transfer happens only at ``wait()``
+    (:class:`_DeferredWork`): a staging buffer refilled before its message completed would send
+    the wrong bytes, and the receiver's checksum would fail the replicate."""
+    from megatron.fixes import replication as R
+
+    g = torch.Generator().manual_seed(11 + rank)
+    count = 60 if rank == 0 else 2
+    tensors = [torch.randn(int(n), generator=g) for n in torch.randint(1, 24, (count,), generator=g)]
+    expected = [None] * WORLD
+    torch.distributed.all_gather_object(expected, [t.clone() for t in tensors])
+    strategy = R.FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
+    strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 64, 2
+    real = R._broadcast
+    R._broadcast = _DeferredWork
+    try:
+        hollows, ids = R.fixed_replicate(strategy, _ListStateDict(tensors), f"id{rank}")
+    finally:
+        R._broadcast = real
+    assert ids == [f"id{r}" for r in range(WORLD)]
+    for owner in range(WORLD):
+        got = list(hollows[owner].tensors)
+        assert len(got) == len(expected[owner])
+        for i, (a, b) in enumerate(zip(got, expected[owner])):
+            assert _bitwise_equal(a, b), ("staging reuse", owner, i)
 
 
 class _Opaque(torch.Tensor):
@@ -357,6 +421,7 @@ def _fixed_save_body(rank, world, root):
                      "quantizer dropped by pickling")
     _fixed_dense(rank, os.path.join(root, "dense"))
     _fixed_buckets(rank, os.path.join(root, "buckets"))
+    _staging_reuse(rank)
     _refused(rank, os.path.join(root, "refused"))
     _transit_corruption(rank, os.path.join(root, "transit"))
 
@@ -368,7 +433,8 @@ def test_fixed_save_replicas_equal_primaries_and_failures_leave_no_file(tmp_path
       primary and replica, which are bitwise equal, whether the strategy is built through the NVRx
       name (as pretrain() does), LazyCliqueReplicationStrategy, or a class bound before apply();
     * non-contiguous/offset/permuted views, float8_*, uint16, bool and 0-d tensors arrive
-      bitwise equal over gloo; tiny buckets exercise packing, chunking and pipelining;
+      bitwise equal over gloo; tiny buckets exercise packing, chunking and pipelining, and a
+      deferred transport shows no staging buffer is refilled while its message is in flight;
     * every file carries a checksum record that verifies;
     * an uncarriable tensor is refused on every rank with its key and rank, before any file;
     * a byte flipped in transit fails the save on every rank naming key, sender and receiver, and
@@ -378,22 +444,6 @@ def test_fixed_save_replicas_equal_primaries_and_failures_leave_no_file(tmp_path
 
 
 # ----------------------------------------------------------------------------- load / recovery
-
-
-def _flip_byte_in_largest_storage(path):
-    """Flip one byte inside the largest tensor storage of a torch.save zip file (torch.load does
-    not check the zip CRC, so only a content checksum can notice)."""
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset)
-        header = f.read(30)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        pos = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def _recovery(rank, root, damage):
@@ -411,10 +461,10 @@ def _recovery(rank, root, damage):
     if damage in ("corrupt_replica", "corrupt_primary") and rank == 0:
         os.remove(_file(root, 0, 0))  # rank 0 must fetch its shard from rank 1's replica
         if damage == "corrupt_replica":
-            _flip_byte_in_largest_storage(_file(root, 1, 0))
+            flip_byte_in_largest_storage(_file(root, 1, 0))
             assert torch.load(_file(root, 1, 0), weights_only=False) is not None  # loads "fine"
     if damage == "corrupt_primary" and rank == 1:
-        _flip_byte_in_largest_storage(_file(root, 1, 1))  # rank 1 reads its own primary
+        flip_byte_in_largest_storage(_file(root, 1, 1))  # rank 1 reads its own primary
     _barrier()
 
     manager = _manager(root)
