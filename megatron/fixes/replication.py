@@ -555,6 +555,7 @@ def _replicate(self, local_ckpt, id_):
     stored: List[torch.Tensor] = []
     send_src: List[torch.Tensor] = []
     entries: List[dict] = []
+    dequantized: collections.Counter = collections.Counter()
     for i, ((key, offset), t) in enumerate(zip(names, originals)):
         if type(t) in _PLAIN_TYPES and t.is_contiguous() and (target is None or t.device == target):
             if t.device.type == "meta":  # the only refusal a plain dense tensor can hit
@@ -570,6 +571,8 @@ def _replicate(self, local_ckpt, id_):
                 continue
             try:
                 s, _ = prepare_tensor(key, t, target)
+                if is_quantized(t):
+                    dequantized[f"{type(t).__name__} -> {_dtype_name(s.dtype)}"] += 1
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 errors.append(f"tensor '{key}': {type(e).__name__}: {e}")
                 continue
@@ -769,6 +772,12 @@ def _replicate(self, local_ckpt, id_):
         "replicate %s: sent %d B in %d messages over %s",
         id_, sum(e["nbytes"] for e in records[me]["entries"]), len(per_src[me]), device,
     )
+    if dequantized:
+        logger.info(
+            "local checkpoint %s (rank %d): primary and replicas store %d quantized tensors "
+            "dequantized (%s)", id_, my_global, sum(dequantized.values()),
+            ", ".join(f"{n} x {k}" for k, n in sorted(dequantized.items())),
+        )
     return hollows, ids
 
 

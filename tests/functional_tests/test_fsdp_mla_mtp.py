@@ -15,10 +15,10 @@ compared bit for bit. A run that loads a checkpoint and re-saves it without trai
 exactly what it read: a weight the load missed would keep its initial value (from another seed)
 instead of the value after 2 training steps.
 
-Launches: straight run (4 iterations, saves at 2 and 4); re-save from another seed; resume from
-iteration 2 (losses and grad norms of 3-4 and the iteration-4 checkpoint bitwise); a legacy
-(unfixed upstream, ``MEGATRON_FIXES_DISABLE=fsdp_dtensor``, 1 rank: upstream cannot save on 2) and
-its load into the fixed entrypoint on 2 ranks.
+Launches: straight run (4 iterations, saves at 2 and 4); re-save from another seed; the same at
+TP=2 on 4 ranks; resume from iteration 2 (losses and grad norms of 3-4 and the iteration-4
+checkpoint bitwise); a legacy (unfixed upstream, ``MEGATRON_FIXES_DISABLE=fsdp_dtensor``, 1 rank:
+upstream cannot save on 2) and its load into the fixed entrypoint on 2 ranks.
 """
 
 from __future__ import annotations
@@ -123,6 +123,25 @@ def test_reload_from_other_seed_restores_every_entry_bitwise(tmp_path, straight)
     assert not [k for k in want if "linear_qkv_down_proj" in k or "mtp_model_layer" in k]
     assert any(".mtp.layers.0.transformer_layer." in k for k in want)
     assert sum(isinstance(v, torch.Tensor) for v in want.values()) > 100
+    assert_checkpoints_bitwise(want, got)
+
+
+def test_tp2_reload_from_other_seed_restores_every_entry_bitwise(tmp_path):
+    """TP=2 x FSDP=2 on 4 ranks: the same save / reload-from-another-seed / re-save round trip
+    (the MLA down projections are duplicated across TP ranks, the up projections and the MLP
+    split; FSDP shards each TP rank's part unevenly)."""
+    tp = ["--tensor-model-parallel-size", "2"]
+    work = tmp_path / "straight"
+    run = run_pretrain(work, *MODEL, *tp, "--train-iters", "2", "--save", str(work / "ckpt"),
+                       "--save-interval", "2", nproc=4, env=ENV)
+    assert sorted(run.losses) == [1, 2]
+    run_pretrain(tmp_path, *MODEL, *tp, *OTHER_SEED, *RESAVE, "--load", str(work / "ckpt"),
+                 "--save", str(tmp_path / "resaved"), "--use-checkpoint-opt-param-scheduler",
+                 nproc=4, env=ENV)
+    want = read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path)
+    got = read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path)
+    assert any(k.endswith("linear_kv_down_proj.weight") for k in want)
+    assert not [k for k in want if "linear_qkv_down_proj" in k or "mtp_model_layer" in k]
     assert_checkpoints_bitwise(want, got)
 
 

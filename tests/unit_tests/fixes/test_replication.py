@@ -220,8 +220,24 @@ def _fixed_quantized(rank, root, strategy, quantized_cls, scenario):
     tensors, expected = _model(rank, quantized_cls)
     all_expected = _gather_expected(expected)
     tasd = _tasd(rank, tensors)
-    _manager(root, strategy).save(tasd, ITER)
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("megatron.fixes.replication")
+    log.addHandler(handler)
+    level, log.level = log.level, logging.INFO
+    try:
+        _manager(root, strategy).save(tasd, ITER)
+    finally:
+        log.removeHandler(handler)
+        log.level = level
     assert tasd.is_hollow  # as upstream: the caller's state dict is left hollow
+    # one line per save and rank says what was dequantized
+    name = quantized_cls.__name__
+    msgs = [r.getMessage() for r in records if "dequantized" in r.getMessage()]
+    assert len(msgs) == 1 and f"1 x {name} -> bfloat16, 1 x {name} -> float32" in msgs[0], msgs
     _barrier()
     _check_files_against(root, all_expected, scenario)
 
