@@ -505,6 +505,8 @@ def _cpu_checksum(ptr: int, nbytes: int) -> int:
 
 
 _EMPTY_CHECKSUM = ck.checksum_bytes(b"")
+_INFLIGHT_FACTOR = 2
+"""Messages in flight at most: ``_INFLIGHT_FACTOR * pipeline_depth`` (staged or not)."""
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -671,7 +673,7 @@ def _replicate(self, local_ckpt, id_):
     # A staging slot is reused only once the message that last used it has completed; messages
     # that need no staging (direct sends, in-place receives) only count against the in-flight cap.
     # So the owner packs its next bucket while its previous one is still on the wire.
-    max_inflight = 2 * depth
+    max_inflight = _INFLIGHT_FACTOR * depth
     slot_last = [-1] * depth  # sequence number of the last message staged in each slot
     count = {"posted": 0, "finished": 0, "staged": 0}
 
