@@ -542,3 +542,51 @@ def test_recovery_over_gloo_and_load_verification(tmp_path):
     in a stored replica or primary is detected by checksum when loaded and raises on every rank.
     Guard: unfixed upstream cannot recover without CUDA (hardcoded .cuda())."""
     run_distributed(_recovery_body, WORLD, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _rss() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _memory_body(rank, world):
+    from megatron.fixes import replication as R
+
+    g = torch.Generator().manual_seed(rank)
+    tensors = {f"big{i:02d}": torch.randn(1 << 20, generator=g) for i in range(16)}  # direct sends
+    tensors.update({f"small{i:03d}": torch.randn(1 << 14, generator=g) for i in range(256)})  # packed
+    own = sum(t.nbytes for t in tensors.values())  # 80 MiB; the peer holds as much
+    bucket, depth = 4 << 20, 2
+    strategy = R.FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
+    strategy.bucket_bytes, strategy.pipeline_depth = bucket, depth
+    tasd = _tasd(rank, tensors)
+    originals = list(tasd.tensors)
+    _barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset this process's peak RSS (VmHWM) to its current RSS
+    before = _rss()["VmRSS"]
+    hollows, _ = R.fixed_replicate(strategy, tasd, "id")
+    peak_extra = _rss()["VmHWM"] - before
+    # the replicas of the peer's 80 MiB must exist; beyond them only the staging buckets and
+    # a little bookkeeping (a second copy of this rank's model would add 80 MiB)
+    allowed = own + depth * bucket + (6 << 20)
+    assert peak_extra <= allowed, (peak_extra / 2**20, allowed / 2**20)
+    # the primary holds this rank's own tensors, not copies
+    assert all(a is b for a, b in zip(hollows[rank].tensors, originals))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
+def test_peak_extra_memory_is_replicas_plus_staging(tmp_path):
+    """Fixed, 2 gloo ranks, 80 MiB per rank (16 tensors of 4 MiB sent directly, 256 of 64 KiB
+    packed into 4 MiB buckets, depth 2): the peak resident memory that replicate() adds (Linux
+    VmHWM, reset just before) is at most the peer's replicas + 2 staging buckets + 6 MiB, and the
+    primary keeps the original tensors (no copy of the model)."""
+    run_distributed(_memory_body, WORLD)
