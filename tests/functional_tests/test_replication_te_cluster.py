@@ -95,11 +95,13 @@ def test_fp8_param_primaries_and_replicas_equal_persistent(tmp_path):
 
 def _dense_shards(path: Path) -> dict:
     """key/offset -> the values a local file holds (TE quantized tensors dequantized)."""
-    sd = torch.load(path, weights_only=False, map_location="cpu")
+    sd = torch.load(path, weights_only=False)  # on the devices they were saved from
     out = {}
     for sh in sd._sharded_tensors:
         t = sh.data
         if type(t).dequantize is not torch.Tensor.dequantize:
+            if t.device.type != "cuda":
+                t = t.cuda()  # TE dequantizes with CUDA kernels
             t = t.dequantize()
         out[(sh.key, tuple(sh.global_offset))] = t.detach().float().cpu()
     return out
