@@ -99,29 +99,44 @@ def _checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:
     return dst
 
 
+def train_straight(work: Path, model: list, iterations: int = 4, **kw) -> dict:
+    """Train ``iterations`` steps from scratch, saving every 2; returns the logged losses."""
+    run = run_pretrain(work, *model, "--train-iters", str(iterations), "--save", str(work / "ckpt"),
+                       "--save-interval", "2", **kw)
+    assert sorted(run.losses) == list(range(1, iterations + 1))
+    assert sorted(p.name for p in (work / "ckpt").glob("iter_*")) == [
+        f"iter_{i:07d}" for i in range(2, iterations + 1, 2)]
+    return run.losses
+
+
+def resave_from_other_seed(work: Path, tmp_path: Path, model: list, **kw) -> tuple[dict, dict]:
+    """Load ``work``'s iteration-2 checkpoint into a model started from another seed and save it
+    again without training; returns (what was loaded, what was re-saved) as full tensors."""
+    load = _checkpoint_at(work / "ckpt", 2, tmp_path / "load")
+    run_pretrain(tmp_path, *model, *OTHER_SEED, *RESAVE, "--load", str(load),
+                 "--save", str(tmp_path / "resaved"), "--use-checkpoint-opt-param-scheduler", **kw)
+    return (read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path),
+            read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path))
+
+
+def assert_unfused_layout(entries: dict) -> None:
+    """The fixed layout: q/kv sections and ``transformer_layer`` on disk, nothing fused, no
+    ``mtp_model_layer``."""
+    assert any(k.endswith("linear_q_down_proj.weight") for k in entries)
+    assert any(k.endswith("linear_kv_down_proj.weight") for k in entries)
+    assert not [k for k in entries if "linear_qkv_down_proj" in k or "mtp_model_layer" in k]
+    assert any(".mtp.layers.0.transformer_layer." in k for k in entries)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     work = tmp_path_factory.mktemp("straight")
-    run = run_pretrain(work, *MODEL, "--train-iters", "4", "--save", str(work / "ckpt"),
-                       "--save-interval", "2", env=ENV)
-    assert sorted(run.losses) == [1, 2, 3, 4]
-    assert sorted(p.name for p in (work / "ckpt").glob("iter_*")) == ["iter_0000002",
-                                                                      "iter_0000004"]
-    return work, run.losses
+    return work, train_straight(work, MODEL, env=ENV)
 
 
 def test_reload_from_other_seed_restores_every_entry_bitwise(tmp_path, straight):
-    work, _ = straight
-    load = _checkpoint_at(work / "ckpt", 2, tmp_path / "load")
-    run_pretrain(tmp_path, *MODEL, *OTHER_SEED, *RESAVE, "--load", str(load),
-                 "--save", str(tmp_path / "resaved"), "--use-checkpoint-opt-param-scheduler",
-                 env=ENV)
-    want = read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path)
-    got = read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path)
-    # the fixed layout: sections and transformer_layer on disk, nothing fused / mtp_model_layer
-    assert any(k.endswith("linear_q_down_proj.weight") for k in want)
-    assert not [k for k in want if "linear_qkv_down_proj" in k or "mtp_model_layer" in k]
-    assert any(".mtp.layers.0.transformer_layer." in k for k in want)
+    want, got = resave_from_other_seed(straight[0], tmp_path, MODEL, env=ENV)
+    assert_unfused_layout(want)
     assert sum(isinstance(v, torch.Tensor) for v in want.values()) > 100
     assert_checkpoints_bitwise(want, got)
 
@@ -130,18 +145,10 @@ def test_tp2_reload_from_other_seed_restores_every_entry_bitwise(tmp_path):
     """TP=2 x FSDP=2 on 4 ranks: the same save / reload-from-another-seed / re-save round trip
     (the MLA down projections are duplicated across TP ranks, the up projections and the MLP
     split; FSDP shards each TP rank's part unevenly)."""
-    tp = ["--tensor-model-parallel-size", "2"]
-    work = tmp_path / "straight"
-    run = run_pretrain(work, *MODEL, *tp, "--train-iters", "2", "--save", str(work / "ckpt"),
-                       "--save-interval", "2", nproc=4, env=ENV)
-    assert sorted(run.losses) == [1, 2]
-    run_pretrain(tmp_path, *MODEL, *tp, *OTHER_SEED, *RESAVE, "--load", str(work / "ckpt"),
-                 "--save", str(tmp_path / "resaved"), "--use-checkpoint-opt-param-scheduler",
-                 nproc=4, env=ENV)
-    want = read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path)
-    got = read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path)
-    assert any(k.endswith("linear_kv_down_proj.weight") for k in want)
-    assert not [k for k in want if "linear_qkv_down_proj" in k or "mtp_model_layer" in k]
+    model = MODEL + ["--tensor-model-parallel-size", "2"]
+    train_straight(tmp_path / "straight", model, iterations=2, nproc=4, env=ENV)
+    want, got = resave_from_other_seed(tmp_path / "straight", tmp_path, model, nproc=4, env=ENV)
+    assert_unfused_layout(want)
     assert_checkpoints_bitwise(want, got)
 
 
