@@ -38,6 +38,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from megatron.training_ext.console import write_line
+
 ENV_FAULT = "MEGATRON_TEST_FAULT"
 ENV_NAN = "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"
 
@@ -99,7 +101,7 @@ def flip_byte_in_largest_storage(path: str) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"[fault-injection] {message}", flush=True)
+    write_line(f"[fault-injection] {message}")
 
 
 def install_from_env(args) -> None:

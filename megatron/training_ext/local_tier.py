@@ -129,6 +129,7 @@ import torch.distributed as dist
 
 from megatron.fixes.base import Patcher
 from megatron.integrity import checksums as ck
+from megatron.training_ext.console import write_line
 
 logger = logging.getLogger("megatron.training_ext.local_tier")
 
@@ -219,7 +220,7 @@ def _rank() -> int:
 
 def _say(message: str) -> None:
     """One log line of this rank (stdout, flushed: it must survive an immediate exit)."""
-    print(f"{LOG_PREFIX} rank {_rank()}: {message}", flush=True)
+    write_line(f"{LOG_PREFIX} rank {_rank()}: {message}")
 
 
 def _gather(obj: Any) -> list:
