@@ -46,6 +46,7 @@ from megatron.training.utils.common_utils import (  # noqa: E402
     get_blend_and_blend_per_split,
     is_first_or_last_pipeline_stage,
 )
+from megatron.training_ext.shutdown import run_then_destroy_process_groups  # noqa: E402
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -184,7 +185,11 @@ def main() -> None:
         model_cfg.pre_wrap_hooks.append(restore_modelopt_state_pre_wrap_hook)
     cfg = pretrain_cfg_container_from_args(args, model_cfg)
     fork_args.install_training_hooks(args)
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    # destroy the process groups once training is done (gloo can otherwise abort at exit):
+    # megatron.training_ext.shutdown
+    run_then_destroy_process_groups(
+        lambda: pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    )
 
 
 if __name__ == "__main__":
