@@ -63,8 +63,9 @@ before ``apply()`` is fixed too. Nothing else of upstream is touched.
    packed into a staging bucket is hashed from its copy right after copying, while in cache; the
    primary file holds the source bytes, so a faulty copy would still fail the primary's load
    verification); a receiver hashes each tensor as soon as its last byte has arrived; both
-   overlap with the messages in flight. A second collective exchanges the owners' and the receivers' checksums and every rank
-   compares every (owner, receiver, tensor): on any mismatch every rank raises
+   overlap with the messages in flight. A second collective exchanges the owners' and the
+   receivers' checksums and every rank compares every (owner, receiver, tensor): on any
+   mismatch every rank raises
    :class:`~megatron.integrity.checksums.ChecksumMismatchError` naming key, sender rank and
    receiver rank, before ``LocalCheckpointManager.save`` writes a file, so no file is written.
 5. The owner's checksums are put into the checksum record of every returned (hollow, then
