@@ -619,8 +619,14 @@ def _guarded_load(manager: Any):
     return state_dict, ckpt_id
 
 
-def _applies(args: Any, ctx: Any) -> bool:
-    return (
+def _local_tier_call(sig: inspect.Signature, a: tuple, kw: dict) -> Optional[tuple]:
+    """``(bound arguments, LocalCheckpointManager)`` of a call to an upstream load function when
+    the validated local tier handles it (validation on, local checkpoints, process group up),
+    else None."""
+    bound = sig.bind(*a, **kw)
+    args = bound.arguments.get("args")
+    ctx = bound.arguments.get("checkpointing_context")
+    applies = (
         _STATE is not None
         and _STATE.validation
         and getattr(args, "non_persistent_ckpt_type", None) == "local"
@@ -629,6 +635,7 @@ def _applies(args: Any, ctx: Any) -> bool:
         and dist.is_available()
         and dist.is_initialized()
     )
+    return (bound, ctx["local_checkpoint_manager"]) if applies else None
 
 
 def _wrap_load_base_checkpoint(upstream):
@@ -636,13 +643,11 @@ def _wrap_load_base_checkpoint(upstream):
 
     @functools.wraps(upstream)
     def _load_base_checkpoint(*a, **kw):
-        bound = sig.bind(*a, **kw)
-        args = bound.arguments.get("args")
-        ctx = bound.arguments.get("checkpointing_context")
-        if not _applies(args, ctx):
+        call = _local_tier_call(sig, a, kw)
+        if call is None:
             return upstream(*a, **kw)
+        bound, manager = call
         st = _STATE
-        manager = ctx["local_checkpoint_manager"]
         st.manager = manager
         load_dir = bound.arguments.get("load_dir")
         if not st.markers_checked:
@@ -678,12 +683,10 @@ def _wrap_load_non_persistent(upstream):
 
     @functools.wraps(upstream)
     def _load_non_persistent_base_checkpoint(*a, **kw):
-        bound = sig.bind(*a, **kw)
-        args = bound.arguments.get("args")
-        ctx = bound.arguments.get("checkpointing_context")
-        if not _applies(args, ctx):
+        call = _local_tier_call(sig, a, kw)
+        if call is None:
             return upstream(*a, **kw)
-        manager = ctx["local_checkpoint_manager"]
+        bound, manager = call
         manager.load = functools.partial(_guarded_load, manager)  # this call only
         try:
             result = upstream(*a, **kw)

@@ -80,6 +80,18 @@ def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, l
     return result
 
 
+def both_tiers_at(work: Path, iteration: int) -> list[str]:
+    """Arguments for a run of ``iteration`` iterations that ends with a local checkpoint
+    (``work/local``, replicated: jump 1, factor 2) and a persistent ``torch_dist`` one
+    (``work/ckpt``) of that same iteration: the local one at the last step, the persistent one at
+    the end of training (``iteration`` is not a multiple of the save interval)."""
+    return ["--train-iters", str(iteration), "--save", str(work / "ckpt"), "--save-interval", "1000",
+            "--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "local",
+            "--non-persistent-save-interval", str(iteration),
+            "--non-persistent-local-ckpt-dir", str(work / "local"),
+            "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+
+
 def assert_bitwise_equal(reference: dict[int, dict], other: dict[int, dict], iterations: range,
                          keys=("lm loss", "grad norm")) -> None:
     """Assert that ``other`` logged exactly (float.hex) the same values as ``reference``."""

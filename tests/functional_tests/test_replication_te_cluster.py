@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.functional_tests.launch import run_pretrain
+from tests.functional_tests.launch import both_tiers_at, run_pretrain
 
 WORLD = 2
 
@@ -57,12 +57,7 @@ FP8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-par
 
 def _train(work: Path, env: dict):
     """One run: local (replicated) and persistent checkpoints, both of iteration 10."""
-    return run_pretrain(
-        work, *FP8, "--train-iters", str(ITER), "--save", str(work / "ckpt"), "--save-interval", "1000",
-        "--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "local",
-        "--non-persistent-save-interval", str(ITER), "--non-persistent-local-ckpt-dir", str(work / "local"),
-        "--replication", "--replication-jump", "1", "--replication-factor", "2",
-        nproc=WORLD, env=env, timeout=1800)
+    return run_pretrain(work, *FP8, *both_tiers_at(work, ITER), nproc=WORLD, env=env, timeout=1800)
 
 
 def _local_files(work: Path) -> list[Path]:

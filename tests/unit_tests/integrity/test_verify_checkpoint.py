@@ -19,7 +19,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.integrity.persistent import CheckpointInputError, PersistentCheckpoint
 from megatron.integrity.verify import IterationMismatchError, verify_checkpoint
-from tests.functional_tests.launch import run_pretrain
+from tests.functional_tests.launch import both_tiers_at, run_pretrain
 from tests.helpers.dist import run_distributed
 from tools.verify_checkpoint import main as cli_main
 
@@ -36,11 +36,7 @@ def ckpt(tmp_path_factory) -> Path:
     10 and, since 10 % --save-interval != 0, saves the persistent checkpoint of 10 as well.
     """
     w = tmp_path_factory.mktemp("verify_run")
-    run_pretrain(w, "--train-iters", str(ITER), "--save", str(w / "ckpt"), "--save-interval", "1000",
-                 "--ckpt-format", "torch_dist", "--verify-integrity",
-                 "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", str(ITER),
-                 "--non-persistent-local-ckpt-dir", str(w / "local"),
-                 "--replication", "--replication-jump", "1", "--replication-factor", "2")
+    run_pretrain(w, *both_tiers_at(w, ITER), "--verify-integrity")
     assert sorted(str(p.relative_to(w / "local")) for p in (w / "local").rglob("*.pt")) == [
         "0/iter_0000010_0_local.pt", "0/iter_0000010_1_local.pt",
         "1/iter_0000010_0_local.pt", "1/iter_0000010_1_local.pt"]
