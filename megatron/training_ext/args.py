@@ -100,7 +100,7 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(<ckpt>/modelopt_state, e.g. written by tools/quantize.py) into the "
                             "freshly built model, so quantizers load and train under any TP/EP/ETP. "
                             "Upstream 0.19.2 lacks this step (megatron.post_training).")
-    # Validated local checkpoint tier (megatron/training_ext/local_tier.py; issue 6).
+    # Validated local checkpoint tier (megatron/training_ext/local_tier.py).
     group.add_argument("--no-local-tier-validation", dest="local_tier_validation",
                        action="store_false",
                        help="With --non-persistent-ckpt-type local: load local checkpoints as "
@@ -112,6 +112,15 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "file LOCAL_TIER_BAD.json in each rank's local checkpoint directory) and "
                             "exits with code 75, so that the next start loads the persistent "
                             "checkpoint. Default 50; 0 disables.")
+    group.add_argument("--local-tier-run-id", default=None, metavar="ID",
+                       help="With local checkpoints: the run identity stored in every local file "
+                            "and required of the files a start may use. Default: derived from "
+                            "the settings that define the experiment (seed, data, tokenizer, "
+                            "model, and a run token kept in --save; see docs/local-tier.md), so a "
+                            "requeued or restarted "
+                            "job is the same run and a new experiment is not. Set it to keep "
+                            "using local checkpoints across a deliberate change of those "
+                            "settings, or to tell apart runs that share all of them.")
     return parser
 
 
@@ -133,6 +142,11 @@ def _validate_local_tier_args(args: argparse.Namespace) -> None:
     by the validated load path). Resolves the default (50, or 0 with --no-local-tier-validation)."""
     window = getattr(args, "local_tier_nan_window", None)
     validation = getattr(args, "local_tier_validation", True)
+    run_id = getattr(args, "local_tier_run_id", None)
+    if run_id is not None and (not run_id.strip() or not validation):
+        raise SystemExit("--local-tier-run-id needs a non-empty ID and local-tier validation (it "
+                         "is checked only by the validated load path; drop --no-local-tier-validation)"
+                         if run_id.strip() else "--local-tier-run-id must not be empty")
     if window is None:
         from megatron.training_ext.local_tier import DEFAULT_NAN_WINDOW
 
@@ -156,7 +170,8 @@ def install_training_hooks(args: argparse.Namespace) -> None:
         from megatron.training_ext import local_tier
 
         local_tier.install(args)
-    if os.environ.get("MEGATRON_TEST_FAULT") or os.environ.get("MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"):
+    if (os.environ.get("MEGATRON_TEST_FAULT") or os.environ.get("MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD")
+            or os.environ.get("MEGATRON_TEST_KILL_IN_LOCAL_SAVE")):
         from megatron.training_ext import fault_injection  # test-only hooks
 
         fault_injection.install_from_env(args)

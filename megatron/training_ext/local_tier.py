@@ -1,115 +1,23 @@
-"""Validated local checkpoint tier with fallback to the persistent tier (issue 6, training path).
+"""The validated local checkpoint tier: local checkpoints are used only when they are the right
+run, iteration and topology; a bad copy is repaired from a verified replica; an interrupted save
+never blocks a later one; a NaN right after a local resume sends the next start to the persistent
+tier.
 
-Why this module exists
-----------------------
-With ``--non-persistent-ckpt-type local`` upstream Megatron-LM (megatron-core 0.19.2,
-``megatron/training/checkpointing.py``) resumes from the newest *local* checkpoint whenever it is
-at least as new as the newest persistent one, and uses whatever it finds: a corrupted local file
-(or replica) either crashes the load with an error that differs from rank to rank (so some ranks
-hang in the next collective), or, worse, is loaded silently. A local tier that holds bad values
-(NaN that slipped into the replicas, a silent data corruption) makes every restart, by
-``ft_launcher`` in-job or by a scheduler requeue, resume from the same bad state on the same GPUs:
-the job never gets past it. This module makes the local tier *validated*, with the persistent tier
-as the fallback. It is on by default whenever local checkpoints are on
-(``--no-local-tier-validation`` restores upstream behaviour).
+Upstream (megatron-core 0.19.2 with NVRx 0.7.0) loads whatever local files it finds: another
+experiment's, another topology's (an assertion deep in the load, or a hang), a corrupt primary
+(rejected wholesale although a replica is good); and a ``*.dirty.pt`` left by a killed save makes
+every later save of that iteration fail. :class:`ValidatedLocalCheckpointManager` (the class
+``pretrain()`` builds while this is installed) changes that; the rules (identity, topology,
+repair, fallback, clean-up, markers, exit code 75) are in ``docs/local-tier.md``.
 
-What it does
-------------
-1. **Save** (``LocalCheckpointManager.save``, NVRx 0.7.0 ``ckpt_managers/base_manager.py``): before
-   the state dict is replicated, the owning rank records for each tensor whether all its values are
-   finite (attribute :data:`FINITE_ATTR` of the ``TensorAwareStateDict``, builtin types only; it
-   travels with the hollow state dict to every replica, so a replica is judged against what its
-   *primary* held). Without replication, ``LocalCheckpointManager._save`` also attaches the
-   per-tensor checksum record of :mod:`megatron.integrity.checksums` (with replication the
-   replication fix, :mod:`megatron.fixes.replication`, already does).
-2. **Load** (upstream ``checkpointing._load_non_persistent_base_checkpoint``, local branch): while
-   upstream runs, the manager's ``load`` is replaced by :func:`_guarded_load`, which does what
-   ``BaseCheckpointManager.load`` does, in stages, with a world-wide agreement after each stage
-   (``all_gather_object`` of every rank's error list on the default group):
-
-   a. read the files this rank must hold or send (a truncated or unreadable file is an error of
-      that rank, not an exception that would leave the other ranks waiting);
-   b. the replication strategy's ``retrieve_execute`` (peer retrieval of lost shards); with the
-      replication fix it verifies every loaded and received state dict against its checksums and
-      raises :class:`~megatron.integrity.checksums.ChecksumMismatchError` on every rank of the
-      clique, which is caught here;
-   c. verification of the state dict this rank will use: checksums
-      (:func:`megatron.integrity.checksums.verify_record`) unless stage b already did them, and
-      finiteness (``isfinite`` of the tensor's sum, see :func:`_all_finite`) for every tensor
-      whose primary recorded finite values.
-
-   If any rank reports an error in any stage, *every* rank raises :class:`LocalTierRejected` with
-   the same summary, so the decision is collective and no rank hangs.
-3. **Fallback** (upstream ``checkpointing._load_base_checkpoint``): :class:`LocalTierRejected` is
-   caught there; every rank prints one line (prefix :data:`LOG_PREFIX`) saying why and which
-   persistent iteration it loads instead, moves its local checkpoint files into
-   ``<local dir>/rejected/`` (so that upstream's next local save cannot collide with them, and
-   ``find_latest`` never offers them again) and calls upstream again with the local tier switched
-   off (``_get_non_persistent_iteration`` returns -1). Without a persistent checkpoint the run
-   starts from initialization, exactly as upstream without a checkpoint (and
-   ``--exit-on-missing-checkpoint`` exits).
-4. **NaN window** (upstream ``training.train_step``; ``RerunStateMachine.validate_result``): for
-   ``--local-tier-nan-window N`` iterations after a resume from the local tier, each iteration
-   ends with one all-reduce of a flag: set when a reduced loss or the grad norm is NaN/Inf, when
-   the rerun state machine asks to exit after a failed result validation (exit codes 16/17), or
-   when a fatal ``validate_result`` rejected a result (in rerun mode ``disabled`` that rejection
-   is deferred to the end of the iteration instead of raising on one rank). If any rank sets it,
-   every rank writes the marker file :data:`MARKER_NAME` into its local checkpoint directory (JSON:
-   iteration, the local iteration resumed from, reason, rank, host, time, exit code) and the
-   run leaves through upstream's own exit path (``train()`` breaks, finalizes pending async saves,
-   barriers, ``sys.exit``) with :data:`LOCAL_TIER_BAD_EXIT_CODE` (75), *without* saving a
-   checkpoint of the bad state. If the failure surfaces as an exception instead (a rank-local
-   error whose message names NaN/Inf), that rank writes the marker and leaves with ``os._exit(75)``
-   (the other ranks are then stopped by the launcher).
-5. **Next start** (``ft_launcher`` in-job restart or a scheduler requeue): before anything is
-   loaded the ranks gather their markers; if any rank has one, the local tier is rejected as in 3
-   (reason: the marker's content) and the persistent checkpoint is loaded.
-6. **Marker lifetime**: a marker stays until a local checkpoint written by a later process is
-   complete on all ranks (``LocalCheckpointManager._cleanup``, which upstream calls only after
-   ``find_latest`` confirmed the new checkpoint on every rank); then each rank removes its marker
-   and its ``rejected/`` directory. A process that found a marker never resumed from the local
-   tier, so whatever it saves descends from the persistent checkpoint; the process that wrote a
-   marker never clears it (its pending async saves are finalized on the way out). If a rank
-   crashes between two ranks' clean-ups, the marker left behind costs one more persistent load
-   at the next start, never a wrong load. Markers are written on every rank, so a replaced node
-   (whose local directory, marker included, is gone) does not erase the verdict.
-
-Exit code
----------
-:data:`LOCAL_TIER_BAD_EXIT_CODE` = 75 (``EX_TEMPFAIL`` in ``sysexits.h``: "temporary failure, try
-again"). It is distinct from upstream's rerun codes (16 ``EXIT_CODE_RESUME_TO_DISAMBIGUATE``, 17
-``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``) and from NVRx's "do not restart" code (93). Meaning: the
-job should be started again (in-job restart or requeue); the next start resumes from the
-persistent tier.
-
-Flags (``megatron/training_ext/args.py``)
------------------------------------------
-``--no-local-tier-validation``
-    Load local checkpoints as upstream does: no verification, no fallback, markers ignored, no NaN
-    window.
-``--local-tier-nan-window N``
-    Iterations after a resume from the local tier during which a NaN/Inf loss or grad norm marks
-    the local tier bad and exits with code 75 (default :data:`DEFAULT_NAN_WINDOW`; 0 disables).
-
-Upstream points wrapped (megatron-core 0.19.2, NVRx 0.7.0)
-----------------------------------------------------------
-``megatron.training.checkpointing._load_base_checkpoint``, ``._get_non_persistent_iteration``,
-``._load_non_persistent_base_checkpoint``; ``megatron.training.training.train_step``;
-``megatron.core.rerun_state_machine.RerunStateMachine.validate_result`` (only while deferring);
-``nvidia_resiliency_ext...local_manager.LocalCheckpointManager.save``, ``._save``, ``._cleanup``.
-All through :class:`megatron.fixes.base.Patcher`; :func:`uninstall` undoes them.
-
-Limits: the checksum record of a non-replicated local save is attached in ``_save``, i.e. in the
-process that writes the file; with ``--async-save`` and a *spawned* persistent checkpoint worker
-that process does not have these patches, and its files load unverified (with a warning), as files
-written before this module existed do. Upstream's ``load_checkpoint`` reads the local tier twice
-(``rank0=True`` for the arguments, then the full load); both reads are verified, and should the
-second fail where the first passed (the files changed in between) the second falls back alone.
+Flags (``megatron/training_ext/args.py``): ``--no-local-tier-validation`` (upstream behaviour),
+``--local-tier-nan-window N``, ``--local-tier-run-id ID``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import json
 import logging
@@ -120,16 +28,22 @@ import shutil
 import socket
 import sys
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.fixes.base import Patcher
 from megatron.integrity import checksums as ck
+from megatron.integrity import local_identity
 from megatron.training_ext.console import write_line
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+    LocalCheckpointManager,
+)
 
 logger = logging.getLogger("megatron.training_ext.local_tier")
 
@@ -140,7 +54,7 @@ __all__ = [
     "LOG_PREFIX",
     "MARKER_NAME",
     "QUARANTINE_DIR",
-    "LocalTierRejected",
+    "ValidatedLocalCheckpointManager",
     "install",
     "installed",
     "loaded_local_iteration",
@@ -155,12 +69,12 @@ local tier (``EX_TEMPFAIL``): start the job again; the next start loads the pers
 DEFAULT_NAN_WINDOW = 50
 """Default of ``--local-tier-nan-window`` (iterations after a local-tier resume)."""
 
-MARKER_NAME = "LOCAL_TIER_BAD.json"
+MARKER_NAME = local_identity.MARKER_NAME
 """Marker file, one per rank, in the rank's local checkpoint directory (``<root>/<session>/<rank>``)."""
 
-QUARANTINE_DIR = "rejected"
+QUARANTINE_DIR = local_identity.QUARANTINE_DIR
 """Sub-directory of a rank's local checkpoint directory that receives rejected local checkpoint
-files (only the most recent rejected set is kept; removed with the marker)."""
+files (removed with the marker by the next local save complete on all ranks)."""
 
 FINITE_ATTR = "_megatron_local_tier_finite"
 """Attribute of a saved ``TensorAwareStateDict``: ``{"format", "version", "owner_rank",
@@ -172,28 +86,16 @@ LOG_PREFIX = "[local-tier]"
 
 _RERUN_EXIT_CODES = (16, 17)  # megatron.core.rerun_state_machine EXIT_CODE_* (checked at install)
 _FINITE_CHUNK = 1 << 26  # elements per isfinite() pass in the fallback (bounds the bool temporary)
-_LOCAL_FILE = re.compile(r"iter_\d+_\d+_local(\.dirty)?\.pt$")
 _NONFINITE_WORDS = re.compile(r"\bnan\b|\binf\b|non-?finite", re.IGNORECASE)
-
-
-class LocalTierRejected(RuntimeError):
-    """The local checkpoint tier failed validation on at least one rank.
-
-    Raised on *every* rank at the same point (the decision is collective), inside upstream's
-    ``_load_non_persistent_base_checkpoint``; caught by the ``_load_base_checkpoint`` wrapper,
-    which falls back to the persistent tier. ``iteration`` is the rejected local iteration.
-    """
-
-    def __init__(self, message: str, iteration: Optional[int] = None):
-        super().__init__(message)
-        self.iteration = iteration
 
 
 @dataclass
 class _State:
     validation: bool
     nan_window: int
-    markers_checked: bool = False
+    args: Any = None
+    settings: Optional[dict] = None     # local_identity.run_settings(args) at install
+    topology: Optional[dict] = None     # local_identity.topology(args) at install
     force_persistent: bool = False
     rejected_reason: Optional[str] = None
     local_load_iteration: Optional[int] = None
@@ -273,16 +175,6 @@ def _summarize(gathered: list, limit: int = 3) -> str:
     return shown + more
 
 
-def _agree(my_errors: List[str], iteration: Optional[int], stage: str) -> None:
-    """Collective: raise :class:`LocalTierRejected` on every rank if any rank has errors."""
-    gathered = _gather(list(my_errors))
-    if any(gathered):
-        raise LocalTierRejected(
-            f"local checkpoint at iteration {iteration} failed {stage}: {_summarize(gathered)}",
-            iteration,
-        )
-
-
 def _tensor_keys(state_dict: Any, count: int) -> List[tuple]:
     """(key, global_offset) per tensor of a non-hollow state dict, in ``tensors`` order."""
     try:
@@ -345,19 +237,6 @@ def _local_dir(manager: Any) -> Path:
     return Path(manager.local_ckpt_dir)
 
 
-def _persistent_iteration(load_dir: Optional[str]) -> Optional[str]:
-    """The newest persistent iteration per upstream's tracker file (no collectives), as text."""
-    if not load_dir:
-        return None
-    from megatron.training import checkpointing
-
-    try:
-        with open(checkpointing.get_checkpoint_tracker_filename(load_dir)) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
 # ---------------------------------------------------------------------------------------------
 # markers
 # ---------------------------------------------------------------------------------------------
@@ -409,25 +288,6 @@ def _write_marker(manager: Any, iteration: int, reason: str) -> Path:
     return path
 
 
-def _describe_marker(rank: int, m: dict) -> str:
-    if "iteration" in m:
-        return (f"rank {rank} marked the local tier bad at iteration {m.get('iteration')} "
-                f"(resumed from local iteration {m.get('local_checkpoint_iteration')}, "
-                f"{m.get('time', '?')}): {_short(m.get('reason', '?'), 200)}")
-    return f"rank {rank}: {m.get('reason')}"
-
-
-def _check_markers(manager: Any) -> Optional[str]:
-    """Collective: the reason to reject the local tier if any rank has a marker, else None."""
-    gathered = _gather(read_marker(_local_dir(manager)))
-    found = [(r, m) for r, m in enumerate(gathered) if m is not None]
-    if not found:
-        return None
-    first = _describe_marker(*found[0])
-    more = f" (markers on ranks {[r for r, _ in found]})" if len(found) > 1 else ""
-    return f"bad-tier marker {MARKER_NAME} found: {first}{more}"
-
-
 def _clear_marker(manager: Any, iteration: int) -> None:
     st = _STATE
     if st is None or st.marker_written:
@@ -451,44 +311,7 @@ def _clear_marker(manager: Any, iteration: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# fallback
-# ---------------------------------------------------------------------------------------------
-
-
-def _quarantine(manager: Any) -> tuple[int, Path]:
-    """Move this rank's local checkpoint files into ``rejected/`` (replacing an older set)."""
-    local_dir = _local_dir(manager)
-    rejected = local_dir / QUARANTINE_DIR
-    if not local_dir.is_dir():
-        return 0, rejected
-    files = [p for p in local_dir.iterdir() if p.is_file() and _LOCAL_FILE.fullmatch(p.name)]
-    if not files:
-        return 0, rejected
-    if rejected.exists():
-        shutil.rmtree(rejected, ignore_errors=True)
-    rejected.mkdir(parents=True, exist_ok=True)
-    for p in files:
-        os.replace(p, rejected / p.name)
-    return len(files), rejected
-
-
-def _fall_back(manager: Any, reason: str, load_dir: Optional[str]) -> None:
-    """Every rank: switch the local tier off for this process, quarantine, say why (one line)."""
-    st = _STATE
-    st.force_persistent = True
-    st.rejected_reason = reason
-    st.local_load_iteration = None
-    moved, rejected = _quarantine(manager)
-    manager.latest_iteration = -1  # upstream caches find_latest(); later saves assert against it
-    persistent = _persistent_iteration(load_dir)
-    target = (f"the newest persistent checkpoint: iteration {persistent} in {load_dir}" if persistent
-              else f"no persistent checkpoint in {load_dir}: starting from initialization")
-    moved_text = f"; {moved} local checkpoint file(s) moved to {rejected}" if moved else ""
-    _say(f"local checkpoint tier rejected: {reason} -> loading {target}{moved_text}")
-
-
-# ---------------------------------------------------------------------------------------------
-# load path
+# the manager: identity on save, validated resolution on load
 # ---------------------------------------------------------------------------------------------
 
 
@@ -517,16 +340,16 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
             errors.append(f"{what}: {e}")
         if record is not None:
             mismatches = ck.verify_record(record, tensors)
-            errors += [f"{what}: {m}" for m in mismatches[:3]]
+            errors += [f"ChecksumMismatchError: {what}: {m}" for m in mismatches[:3]]
             if len(mismatches) > 3:
                 errors.append(f"{what}: ... {len(mismatches) - 3} more checksum mismatches")
             done.append(f"{len(tensors)} checksums")
-        elif not errors and not st.warned_unverified:
+        elif not errors and st is not None and not st.warned_unverified:
             st.warned_unverified = True
             logger.warning("%s has no checksum record (written without checksums): checksums not "
                            "verified", what)
     else:
-        done.append("checksums verified during retrieval")
+        done.append("checksums verified in transit")
     finite = getattr(state_dict, FINITE_ATTR, None)
     if isinstance(finite, dict) and finite.get("format") == FINITE_FORMAT:
         flags = finite.get("finite") or []
@@ -544,181 +367,183 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
     return errors, ", ".join(done) or "nothing to verify"
 
 
-def _guarded_load(manager: Any):
-    """``BaseCheckpointManager.load`` (NVRx 0.7.0) in stages with a collective verdict after each.
+def _fingerprint(state_dict: Any) -> Optional[str]:
+    """Digest of a file's stored checksum record (key, offset, dtype, shape, checksum per tensor):
+    equal for copies of one shard; ``None`` without a record."""
+    try:
+        record = ck.get_record(state_dict)
+    except ValueError:
+        return None
+    if record is None:
+        return None
+    rows = [(e.get("key"), e.get("global_offset"), e.get("dtype"), e.get("shape"), e.get("checksum"))
+            for e in record.get("entries", [])]
+    return hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()[:16]
 
-    Same contract as upstream: all ranks call it after ``find_latest``; returns
-    ``(state_dict, ckpt_id)`` of this rank's shard of the newest complete local checkpoint.
 
-    Raises:
-        LocalTierRejected: on every rank, when any rank cannot read a file it needs, peer retrieval
-            fails (e.g. ``ChecksumMismatchError`` from the replication fix), or the state dict a
-            rank would use fails its checksums or holds NaN/Inf where its primary was finite.
-        CheckpointingException: ``find_latest`` was not called (as upstream; every rank).
+@dataclass
+class _Copy:
+    """One local file of a candidate iteration, as its holder judged it (gathered to all ranks)."""
+
+    iteration: int
+    owner: int
+    holder: int
+    problem: Optional[str]          # why it cannot be used; None: usable so far
+    run_id: Optional[str] = None
+    token: Optional[str] = None
+    fingerprint: Optional[str] = None
+    foreign: Optional[str] = None   # why its run id differs from this rank's (which settings)
+    bytes_verified: bool = False    # checksums and finiteness checked against the bytes
+
+
+@dataclass
+class _Report:
+    """What one rank found at the start of a load (gathered to all ranks)."""
+
+    rank: int
+    host: str
+    identity: tuple                 # (run id, source, run settings, topology)
+    generation: str
+    marker: Optional[dict]
+    persistent: Optional[int]
+    copies: List[_Copy]
+    leftovers: List[str]
+
+
+@dataclass
+class _Resolution:
+    """The collective decision of a load: which local iteration, and where each shard comes from."""
+
+    iteration: int                      # -1: not the local tier
+    state_dict: Any = None
+    ckpt_id: Any = None
+    line: str = ""
+
+
+def _describe_marker(rank: int, m: dict) -> str:
+    if "iteration" in m:
+        return (f"rank {rank} marked the local tier bad at iteration {m.get('iteration')} "
+                f"(resumed from local iteration {m.get('local_checkpoint_iteration')}, "
+                f"{m.get('time', '?')}): {_short(m.get('reason', '?'), 200)}")
+    return f"rank {rank}: {m.get('reason')}"
+
+
+def _markers_reason(reports: List[_Report]) -> Optional[str]:
+    found = [(r.rank, r.marker) for r in reports if r.marker is not None]
+    if not found:
+        return None
+    first = _describe_marker(*found[0])
+    more = f" (markers on ranks {[r for r, _ in found]})" if len(found) > 1 else ""
+    return f"bad-tier marker {MARKER_NAME} found: {first}{more}"
+
+
+def _persistent_iteration(load_dir: Optional[str]) -> Optional[int]:
+    """The newest persistent iteration per upstream's tracker file (no collectives)."""
+    if not load_dir:
+        return None
+    from megatron.training import checkpointing
+
+    try:
+        with open(checkpointing.get_checkpoint_tracker_filename(load_dir)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _megatron_args() -> Any:
+    st = _STATE
+    if st is not None and st.args is not None:
+        return st.args
+    try:
+        from megatron.training.global_vars import get_args
+
+        return get_args()
+    except Exception:  # noqa: BLE001 - not inside pretrain()
+        return None
+
+
+class ValidatedLocalCheckpointManager(LocalCheckpointManager):
+    """NVRx ``LocalCheckpointManager`` (0.7.0) whose checkpoints are only used when they are the
+    right run, iteration and topology, are repaired from verified replicas, and whose saves are
+    never blocked by an interrupted earlier save.
+
+    ``pretrain()`` builds it (it imports ``LocalCheckpointManager`` inside the function; while the
+    validated tier is installed that name is this class). Same constructor and contract as upstream.
+
+    * ``save``: records per tensor whether it is finite and the identity of the shard
+      (:mod:`megatron.integrity.local_identity`: run id, topology, iteration, owner, save token);
+      both travel with the hollow state dict to every replica. Before the first save of a process,
+      leftovers of an interrupted save (``*.dirty.pt``) are removed.
+    * ``_save``: attaches checksums when there is no replication (the replication fix does with
+      replication) and replaces a stale ``.dirty.pt`` instead of failing on it.
+    * ``find_latest`` (first call of a process, i.e. the load): the collective resolution
+      described in ``docs/local-tier.md``; returns the local iteration to load, or -1 to make
+      upstream load the persistent tier. Later calls (save finalization) are upstream's.
+    * ``load``: returns the state dict the resolution verified (and repaired), without reading
+      the files again.
+
+    Raises (``find_latest``/``load``): nothing of its own for bad local files (they are rejected
+    collectively, with one ``[local-tier]`` line per rank); ``CheckpointingException`` when
+    ``load`` is called before ``find_latest`` (as upstream).
     """
-    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
-        CheckpointingException,
-    )
 
-    iteration = manager.latest_iteration
-    if iteration == -1:
-        raise CheckpointingException(
-            "The 'find_latest' method must be called before invoking the 'load' function."
-        )
-    me = _rank()
-    ckpt_id = manager._ckpt_id(iteration)
-    strategy = manager.repl_strategy
-    errors: List[str] = []
+    def __init__(self, root_local_ckpt_dir, session_id: str = "", repl_strategy=None):
+        super().__init__(root_local_ckpt_dir, session_id=session_id, repl_strategy=repl_strategy)
+        self._resolution: Optional[_Resolution] = None
+        self._generation: Optional[str] = None
+        self._identity: Optional[tuple] = None
+        self._saved = False
+        self._loads_served = 0
 
-    def path_of(cid) -> str:
-        try:
-            return str(manager._local_ckpt_path_from_id(cid))
-        except Exception:  # noqa: BLE001
-            return str(cid)
+    # -------------------------------------------------------------------- pickling (async save)
 
-    retrieved = False
-    if strategy is not None:
-        plan = None
-        try:
-            plan = strategy.retrieve_plan(manager.globally_available_ids, [ckpt_id])
-        except Exception as e:  # noqa: BLE001 - same on every rank of the clique
-            errors.append(f"no retrieval plan: {_exc_text(e)}")
-        my_data = {}
-        if plan is not None:
-            for cid in sorted(plan.required_ids(), key=str):
-                try:
-                    my_data[cid] = manager._load_fn(cid)
-                except Exception as e:  # noqa: BLE001 - reported collectively below
-                    errors.append(f"cannot read {path_of(cid)}: {_exc_text(e)}")
-        _agree(errors, iteration, "reading")
-        received = None
-        try:
-            received = strategy.retrieve_execute(plan, my_data)
-        except Exception as e:  # noqa: BLE001 - ChecksumMismatchError on every rank of the clique
-            errors.append(_exc_text(e))
-        _agree(errors, iteration, "retrieval")
-        if set(received) != {ckpt_id}:
-            errors.append(f"retrieval returned {sorted(received, key=str)}, expected {ckpt_id}")
-            _agree(errors, iteration, "retrieval")
-        state_dict = received[ckpt_id]
-        retrieved = ckpt_id not in my_data
-        check_checksums = not _strategy_verifies(strategy)
-    else:
-        state_dict = None
-        try:
-            state_dict = manager._load_fn(ckpt_id)
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"cannot read {path_of(ckpt_id)}: {_exc_text(e)}")
-        _agree(errors, iteration, "reading")
-        check_checksums = True
-    what = f"rank {me}'s shard" + (" (retrieved from a replica)" if retrieved else "")
-    errors, summary = _verify(state_dict, what, check_checksums)
-    _agree(errors, iteration, "verification")
-    if me == 0:
-        _say(f"local checkpoint at iteration {iteration} verified on all ranks ({summary} on rank 0)")
-    return state_dict, ckpt_id
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_resolution"] = None  # never ship the loaded state dict to a worker
+        return state
 
+    # ------------------------------------------------------------------------------- identity
 
-def _local_tier_call(sig: inspect.Signature, a: tuple, kw: dict) -> Optional[tuple]:
-    """``(bound arguments, LocalCheckpointManager)`` of a call to an upstream load function when
-    the validated local tier handles it (validation on, local checkpoints, process group up),
-    else None."""
-    bound = sig.bind(*a, **kw)
-    args = bound.arguments.get("args")
-    ctx = bound.arguments.get("checkpointing_context")
-    applies = (
-        _STATE is not None
-        and _STATE.validation
-        and getattr(args, "non_persistent_ckpt_type", None) == "local"
-        and isinstance(ctx, dict)
-        and ctx.get("local_checkpoint_manager") is not None
-        and dist.is_available()
-        and dist.is_initialized()
-    )
-    return (bound, ctx["local_checkpoint_manager"]) if applies else None
-
-
-def _wrap_load_base_checkpoint(upstream):
-    sig = inspect.signature(upstream)
-
-    @functools.wraps(upstream)
-    def _load_base_checkpoint(*a, **kw):
-        call = _local_tier_call(sig, a, kw)
-        if call is None:
-            return upstream(*a, **kw)
-        bound, manager = call
+    def _identity_parts(self) -> tuple[str, str, dict, dict]:
+        """(run id, its source, run settings, topology): the agreed values once a collective
+        settled them, else this rank's own (rank 0 creates the run token in ``--save``)."""
+        if self._identity is not None:
+            return self._identity
+        args = _megatron_args()
         st = _STATE
-        st.manager = manager
-        load_dir = bound.arguments.get("load_dir")
-        if not st.markers_checked:
-            st.markers_checked = True
-            reason = _check_markers(manager)
-            if reason is not None:
-                _fall_back(manager, reason, load_dir)
-        if st.force_persistent:
-            return upstream(*a, **kw)
-        try:
-            return upstream(*a, **kw)
-        except LocalTierRejected as e:
-            _fall_back(manager, str(e), load_dir)
-            return upstream(*a, **kw)
+        token = local_identity.run_token(getattr(args, "save", None), create=_rank() == 0)
+        run_id, source, settings = local_identity.run_identity(
+            args, token, st.settings if st is not None else None)
+        topo = st.topology if st is not None and st.topology is not None else local_identity.topology(args)
+        return run_id, source, settings, dict(topo)
 
-    return _load_base_checkpoint
+    def _agree_generation(self) -> str:
+        """Collective (first call only): rank 0's run identity and a token shared by every rank
+        of this process generation (the save token of every file it writes)."""
+        if self._generation is None:
+            gen, ident = _gather((uuid.uuid4().hex, self._identity_parts()))[0]
+            self._generation, self._identity = gen, tuple(ident)
+        return self._generation
 
+    # ----------------------------------------------------------------------------------- save
 
-def _wrap_get_non_persistent_iteration(upstream):
-    @functools.wraps(upstream)
-    def _get_non_persistent_iteration(non_persistent_global_dir, args, checkpointing_context=None):
-        st = _STATE
-        if (st is not None and st.force_persistent
-                and getattr(args, "non_persistent_ckpt_type", None) == "local"):
-            return -1
-        return upstream(non_persistent_global_dir, args, checkpointing_context)
-
-    return _get_non_persistent_iteration
-
-
-def _wrap_load_non_persistent(upstream):
-    sig = inspect.signature(upstream)
-
-    @functools.wraps(upstream)
-    def _load_non_persistent_base_checkpoint(*a, **kw):
-        call = _local_tier_call(sig, a, kw)
-        if call is None:
-            return upstream(*a, **kw)
-        bound, manager = call
-        manager.load = functools.partial(_guarded_load, manager)  # this call only
-        try:
-            result = upstream(*a, **kw)
-        finally:
-            manager.__dict__.pop("load", None)
-        st = _STATE
-        st.manager = manager
-        st.local_load_iteration = int(bound.arguments.get("non_persistent_iteration"))
-        return result
-
-    return _load_non_persistent_base_checkpoint
-
-
-# ---------------------------------------------------------------------------------------------
-# save path
-# ---------------------------------------------------------------------------------------------
-
-
-def _wrap_save(upstream):
-    @functools.wraps(upstream)
     def save(self, state_dict, iteration, is_async=False):
+        generation = self._agree_generation()
+        if not self._saved:
+            self._saved = True
+            self._resolution = None  # release what the load held
+            removed = self._remove_dirty()
+            if removed:
+                _say(f"removed {len(removed)} leftover(s) of an interrupted save: {', '.join(removed)}")
         tensors = list(state_dict.tensors)
-        ck_attr = {"format": FINITE_FORMAT, "version": 1, "owner_rank": _rank(),
-                   "finite": _finite_flags(tensors)}
-        setattr(state_dict, FINITE_ATTR, ck_attr)
-        return upstream(self, state_dict, iteration, is_async)
+        setattr(state_dict, FINITE_ATTR, {"format": FINITE_FORMAT, "version": 1,
+                                          "owner_rank": _rank(), "finite": _finite_flags(tensors)})
+        run_id, source, settings, topo = self._identity_parts()
+        setattr(state_dict, local_identity.IDENTITY_ATTR, local_identity.make_identity(
+            run_id, source, settings, topo, iteration, _rank(), generation, socket.gethostname()))
+        return super().save(state_dict, iteration, is_async)
 
-    return save
-
-
-def _wrap_file_save(upstream):
-    @functools.wraps(upstream)
     def _save(self, state_dict, ckpt_id):
         if self.repl_strategy is None:
             try:
@@ -734,19 +559,384 @@ def _wrap_file_save(upstream):
                     ck.attach_record(state_dict, ck.make_record(ckpt_id[1], entries))
                 except (TypeError, ValueError) as e:  # quantized/meta tensors: save unverified
                     logger.warning("local checkpoint %s saved without checksums: %s", ckpt_id, e)
-        return upstream(self, state_dict, ckpt_id)
+        stale = self._local_ckpt_path_from_id(ckpt_id, True)
+        if stale.exists():  # an interrupted save of this iteration: only this rank writes here
+            logger.warning("local checkpoint: replacing the leftover %s of an interrupted save", stale)
+            stale.unlink(missing_ok=True)
+        return super()._save(state_dict, ckpt_id)
 
-    return _save
-
-
-def _wrap_cleanup(upstream):
-    @functools.wraps(upstream)
     def _cleanup(self, iteration):
-        result = upstream(self, iteration)
+        result = super()._cleanup(iteration)
         _clear_marker(self, iteration)
         return result
 
-    return _cleanup
+    def _remove_dirty(self) -> List[str]:
+        d = Path(self.local_ckpt_dir)
+        removed = []
+        if d.is_dir():
+            for p in sorted(d.iterdir()):
+                parsed = local_identity.parse_local_name(p.name)
+                if parsed is not None and parsed[2] and p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed.append(p.name)
+        return removed
+
+    # ----------------------------------------------------------------------------------- load
+
+    def find_latest(self):
+        if self._saved or _STATE is None or not (dist.is_available() and dist.is_initialized()):
+            return super().find_latest()
+        if self._resolution is None:
+            self._resolution = self._resolve()
+        self.latest_iteration = self._resolution.iteration
+        return self._resolution.iteration
+
+    def load(self):
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
+            CheckpointingException,
+        )
+
+        res = self._resolution
+        if res is None or res.iteration == -1 or res.state_dict is None:
+            if self.latest_iteration == -1:
+                raise CheckpointingException(
+                    "The 'find_latest' method must be called before invoking the 'load' function.")
+            return super().load()
+        st = _STATE
+        st.manager = self
+        st.local_load_iteration = res.iteration
+        self._loads_served += 1
+        sd, cid = res.state_dict, res.ckpt_id
+        if self._loads_served >= 2:  # upstream reads twice (arguments, then the state)
+            res.state_dict = None
+        return sd, cid
+
+    # --------------------------------------------------------------------------- resolution
+
+    def _inspect(self, run_id: str, settings: dict, topo: dict) -> tuple[List[_Copy], dict, List[str]]:
+        """This rank's local files: the header of every copy (memory-mapped, no tensor data read),
+        and the own primary of the newest iteration fully loaded and verified (checksums,
+        finiteness). Returns (copies, {ckpt_id: (state dict, summary)}, leftovers removed)."""
+        me = _rank()
+        leftovers = self._remove_dirty()
+        files = []
+        d = Path(self.local_ckpt_dir)
+        if d.is_dir():
+            for p in d.iterdir():
+                parsed = local_identity.parse_local_name(p.name)
+                if parsed is not None and not parsed[2] and p.is_file():
+                    files.append((parsed[0], parsed[1], p))
+        own_iters = [it for it, owner, _ in files if owner == me]
+        speculative = max(own_iters) if own_iters else None
+        copies, loaded = [], {}
+        for it, owner, path in sorted(files, key=lambda x: (-x[0], x[1])):
+            c = _Copy(it, owner, me, None)
+            copies.append(c)
+            try:
+                header = torch.load(path, mmap=True, weights_only=False)
+                rec = local_identity.get_identity(header)
+            except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
+                c.problem = f"unreadable: {_exc_text(e)}"
+                continue
+            problems = local_identity.identity_problems(rec, run_id, settings, topo, it, owner)
+            if rec is not None:
+                c.run_id, c.token = rec.get("run_id"), rec.get("save_token")
+                if c.run_id != run_id:  # decided collectively against the agreed run id
+                    c.foreign, problems = problems[0], problems[1:]
+            c.problem = "; ".join(problems) or None
+            c.fingerprint = _fingerprint(header)
+            del header
+            if c.problem is None and c.foreign is None and owner == me and it == speculative:
+                self._verify_own(c, loaded)
+        return copies, loaded, leftovers
+
+    def _verify_own(self, c: _Copy, loaded: dict) -> None:
+        """Load this rank's primary ``c`` as upstream does and check it against its checksums and
+        finiteness record; sets ``c.problem`` or stores it in ``loaded``."""
+        cid = self._ckpt_id(c.iteration)
+        try:
+            sd = self._load_fn(cid)
+            errors, summary = _verify(sd, f"rank {c.holder}'s primary", check_checksums=True)
+        except Exception as e:  # noqa: BLE001
+            errors, summary = [f"unreadable: {_exc_text(e)}"], ""
+        c.bytes_verified = True
+        if errors:
+            c.problem = _short("; ".join(errors), 400)
+        else:
+            loaded[cid] = (sd, summary)
+
+    def _resolve(self) -> _Resolution:
+        """Collective: decide what this load uses (see the class docstring)."""
+        st = _STATE
+        st.manager = self
+        me, world = _rank(), dist.get_world_size()
+        t0 = time.perf_counter()
+        identity = self._identity_parts()
+        run_id, _, settings, topo = identity
+        args = _megatron_args()
+        load_dir = getattr(args, "load", None)
+        copies, loaded, leftovers = self._inspect(run_id, settings, topo)
+        mine = _Report(me, socket.gethostname(), identity, uuid.uuid4().hex,
+                       read_marker(self.local_ckpt_dir), _persistent_iteration(load_dir),
+                       copies, leftovers)
+        reports: List[_Report] = _gather(mine)
+        self._generation, self._identity = reports[0].generation, tuple(reports[0].identity)
+        agreed_run = self._identity[0]
+        if run_id != agreed_run:
+            logger.info("rank %d derives run id %s, rank 0 %s: using rank 0's", me, run_id, agreed_run)
+        persistent = reports[0].persistent
+        notes = [f"removed {len(leftovers)} leftover(s) of an interrupted save ({', '.join(leftovers)})"] \
+            if leftovers else []
+
+        reason = _markers_reason(reports)
+        if reason is not None:
+            return self._fall_back(reason, load_dir, persistent, notes)
+        all_copies = [c for r in reports for c in r.copies]
+        for c in all_copies:  # the agreed run id decides for everyone
+            if c.problem is None and c.run_id != agreed_run:
+                c.problem = c.foreign or (f"written by another run (run id {c.run_id}, this run "
+                                          f"{agreed_run}; {local_identity.RUN_ID_FLAG} sets the id "
+                                          f"explicitly)")
+        self.globally_available_ids = [
+            [(c.iteration, c.owner, self.session_id) for c in r.copies] for r in reports]
+        iterations = sorted({c.iteration for c in all_copies}, reverse=True)
+        if not iterations:
+            return self._fall_back(None, load_dir, persistent, notes)
+        if persistent is not None and iterations[0] < persistent:
+            _say(f"local checkpoint at iteration {iterations[0]} is older than the persistent "
+                 f"checkpoint at iteration {persistent} in {load_dir}: loading the persistent one"
+                 + "".join(f"; {n}" for n in notes))
+            return _Resolution(iterations[0])
+        hosts = {r.rank: r.host for r in reports}
+        why_not: List[str] = []
+        for it in iterations:
+            if persistent is not None and it < persistent:
+                break
+            res = self._try_iteration(it, all_copies, hosts, loaded, world, why_not, notes, t0)
+            if res is not None:
+                self._quarantine(keep=it, bad=[c for c in all_copies if c.holder == me
+                                               and c.iteration == it and c.problem is not None])
+                return res
+            # newer than what can be used: never offered again
+        if len(why_not) == 1:
+            why_not = [why_not[0].split(": ", 1)[1]]  # the iteration is named in front
+        reason = f"local checkpoint at iteration {iterations[0]} failed verification: " + "; ".join(why_not)
+        return self._fall_back(reason, load_dir, persistent, notes)
+
+    def _try_iteration(self, it: int, all_copies: List[_Copy], hosts: dict, loaded: dict, world: int,
+                       why_not: List[str], notes: List[str], t0: float) -> Optional[_Resolution]:
+        """Collective: use local iteration ``it`` if every shard has a verified copy, repairing
+        shards from replicas; None (on every rank) when it cannot be used, reason in ``why_not``."""
+        me = _rank()
+        copies = [c for c in all_copies if c.iteration == it]
+        # all copies of one save carry its save token: a copy of another save is out-voted
+        tokens = Counter(c.token for c in copies if c.problem is None)
+        if tokens:
+            (best, n), *rest = tokens.most_common()
+            if rest and rest[0][1] == n:
+                why_not.append(f"iteration {it}: copies of {len(tokens)} different saves, none in a "
+                               f"majority")
+                return None
+            for c in copies:
+                if c.problem is None and c.token != best:
+                    c.problem = f"from another save of iteration {it} (save token {c.token}, the others {best})"
+        # cross-check: each shard's copies must agree with its verified primary
+        by_owner: dict[int, List[_Copy]] = {}
+        for c in copies:
+            by_owner.setdefault(c.owner, []).append(c)
+        for owner, cs in by_owner.items():
+            prim = next((c for c in cs if c.holder == owner and c.problem is None), None)
+            good = [c for c in cs if c.problem is None]
+            ref = prim.fingerprint if prim is not None else Counter(
+                c.fingerprint for c in good).most_common(1)[0][0] if good else None
+            for c in good:
+                if ref is not None and c.fingerprint is not None and c.fingerprint != ref:
+                    c.problem = (f"its checksums differ from {'the primary' if prim is not None else 'the other copies'}"
+                                 f" of rank {owner}'s shard")
+        distinct = {c.problem for c in copies}
+        if copies and None not in distinct and len(distinct) == 1:
+            why_not.append(f"iteration {it}: every copy on every rank was {distinct.pop()}")
+            return None
+        missing = []
+        for owner in range(world):
+            cs = by_owner.get(owner, [])
+            if not any(c.problem is None for c in cs):
+                detail = "; ".join(f"rank {c.holder}'s {'primary' if c.holder == owner else 'replica'}: "
+                                   f"{c.problem}" for c in cs) or "no copy on any rank"
+                missing.append(f"no verified copy of rank {owner}'s shard ({_short(detail, 500)})")
+        if missing:
+            why_not.append(f"iteration {it}: " + "; ".join(missing))
+            return None
+        strategy = self.repl_strategy
+        my_id = self._ckpt_id(it)
+        pending = [c for c in copies if c.holder == c.owner and c.problem is None and not c.bytes_verified]
+        if pending:  # not the newest own iteration of some rank: verify those primaries now
+            for c in pending:
+                if c.holder == me:
+                    self._verify_own(c, loaded)
+            late = _gather([(c.owner, c.problem) for c in pending if c.holder == me])
+            for entries in late:
+                for owner, problem in entries:
+                    for c in by_owner.get(owner, []):
+                        if c.holder == owner:
+                            c.problem, c.bytes_verified = problem, True
+        need = sorted(o for o in range(world) if not any(
+            c.problem is None and c.holder == o for c in by_owner.get(o, [])))
+        if need and strategy is None:
+            why_not.append(f"iteration {it}: rank(s) {need} have no usable primary and there is no "
+                           f"replication to repair from: " + "; ".join(
+                               f"rank {o}: {next((c.problem for c in by_owner.get(o, []) if c.holder == o), 'missing')}"
+                               for o in need))
+            return None
+        if not need:
+            sd, summary = loaded[my_id]
+            line = (f"local checkpoint at iteration {it} verified on all ranks: own primary ({summary})"
+                    if me == 0 else f"local checkpoint at iteration {it}: own primary verified ({summary})")
+            return self._resolved(it, sd, my_id, line, all_copies, notes, t0)
+        return self._repair(it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0)
+
+    def _repair(self, it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0):
+        """Collective: retrieve the shards of the ranks in ``need`` from verified replicas."""
+        me = _rank()
+        strategy = self.repl_strategy
+        my_id = self._ckpt_id(it)
+        clique = list(getattr(strategy.local_group, "ranks", range(dist.get_world_size())))
+        for _attempt in range(4):
+            available = [[] for _ in range(dist.get_world_size())]
+            for o, cs in by_owner.items():
+                for c in cs:
+                    if c.problem is None:
+                        available[c.holder].append((it, o, self.session_id))
+            uncovered = [o for o in need if not any(c.problem is None for c in by_owner.get(o, []))]
+            if uncovered:
+                why_not.append(f"iteration {it}: " + "; ".join(
+                    f"no verified copy of rank {o}'s shard ("
+                    + _short("; ".join(f"rank {c.holder}'s {'primary' if c.holder == o else 'replica'}: {c.problem}"
+                                       for c in by_owner.get(o, [])), 500) + ")" for o in uncovered))
+                return None
+            plan = None
+            errors: List[str] = []
+            sent: List[tuple] = []
+            if any(o in clique for o in need):
+                try:
+                    plan = strategy.retrieve_plan(available, [my_id])
+                except Exception as e:  # noqa: BLE001 - same on every rank of the clique
+                    errors.append(f"no retrieval plan: {_exc_text(e)}")
+                if plan is not None:
+                    for entry in plan.entries:
+                        if entry.sender == me and entry.receiver != me:
+                            cid = entry.id_
+                            try:
+                                sd = self._load_fn(cid)
+                                errs, _ = _verify(sd, f"rank {me}'s replica of rank {cid[1]}'s shard", True)
+                            except Exception as e:  # noqa: BLE001
+                                sd, errs = None, [f"unreadable: {_exc_text(e)}"]
+                            if errs:
+                                sent.append((cid[1], me, _short("; ".join(errs), 400)))
+                            else:
+                                loaded[cid] = (sd, "")
+            verdicts = _gather((sent, errors))
+            bad = [b for s, _ in verdicts for b in s]
+            plan_errors = [e for _, es in verdicts for e in es]
+            if plan_errors:
+                why_not.append(f"iteration {it}: " + "; ".join(plan_errors[:2]))
+                return None
+            if bad:
+                for owner, holder, problem in bad:
+                    for c in by_owner.get(owner, []):
+                        if c.holder == holder:
+                            c.problem = problem
+                continue
+            # every replica to be sent verified: exchange (the fixed strategy verifies again)
+            received, errs = None, []
+            if plan is not None:
+                my_data = {cid: loaded[cid][0] for cid in plan.required_ids()}
+                try:
+                    received = strategy.retrieve_execute(plan, my_data)
+                except Exception as e:  # noqa: BLE001 - ChecksumMismatchError on every clique rank
+                    errs.append(_exc_text(e))
+            summary, source = "", None
+            if not errs and me in need:
+                sd = received.get(my_id) if received else None
+                if sd is None:
+                    errs.append(f"retrieval returned {sorted(received or {}, key=str)}, expected {my_id}")
+                else:
+                    source = next(e.sender for e in plan.entries if e.receiver == me)
+                    verify_errs, summary = _verify(sd, f"rank {me}'s shard received from rank {source}",
+                                                   not _strategy_verifies(strategy))
+                    errs += verify_errs
+                    loaded[my_id] = (sd, summary)
+            outcome = _gather(errs)
+            if any(outcome):
+                why_not.append(f"iteration {it}: repair failed: {_summarize(outcome)}")
+                return None
+            sd, summary0 = loaded[my_id]
+            if me in need:
+                own = next((c.problem for c in by_owner.get(me, []) if c.holder == me), "missing")
+                line = (f"local checkpoint at iteration {it}: repaired from rank {source}'s replica on "
+                        f"host {hosts.get(source, '?')} (verified: {summary}); own primary: {_short(own, 300)}")
+            else:
+                line = (f"local checkpoint at iteration {it}{' verified on all ranks' if me == 0 else ''}: "
+                        f"own primary ({summary0}); repaired rank(s) {need} from replicas")
+            return self._resolved(it, sd, my_id, line, all_copies, notes, t0)
+        why_not.append(f"iteration {it}: no replica verified after several attempts")
+        return None
+
+    def _resolved(self, it, sd, cid, line, all_copies, notes, t0) -> _Resolution:
+        me = _rank()
+        bad = [c for c in all_copies if c.holder == me and c.iteration == it and c.problem is not None
+               and c.owner != me]
+        extra = list(notes)
+        if bad:
+            extra.append(f"moved {len(bad)} bad replica(s) to {QUARANTINE_DIR}/: " + "; ".join(
+                f"rank {c.owner}'s shard: {_short(c.problem, 200)}" for c in bad))
+        _say(line + "".join(f"; {n}" for n in extra) + f" [{time.perf_counter() - t0:.2f} s]")
+        return _Resolution(it, sd, cid, line)
+
+    def _quarantine(self, keep: Optional[int] = None, bad: Sequence[_Copy] = ()) -> int:
+        """Move this rank's local files into ``rejected/``: every file when ``keep`` is None, else
+        the files of iterations newer than ``keep`` and the ``bad`` copies of ``keep``."""
+        d = Path(self.local_ckpt_dir)
+        if not d.is_dir():
+            return 0
+        bad_names = {self._filename_from_template(c.iteration, c.owner) for c in bad}
+        moving = []
+        for p in d.iterdir():
+            parsed = local_identity.parse_local_name(p.name)
+            if parsed is None or not p.is_file():
+                continue
+            if keep is None or parsed[0] > keep or p.name in bad_names:
+                moving.append(p)
+        if not moving:
+            return 0
+        rejected = d / QUARANTINE_DIR
+        if rejected.exists() and not self._quarantined_once:
+            shutil.rmtree(rejected, ignore_errors=True)
+        self._quarantined_once = True
+        rejected.mkdir(parents=True, exist_ok=True)
+        for p in moving:
+            os.replace(p, rejected / p.name)
+        return len(moving)
+
+    _quarantined_once = False
+
+    def _fall_back(self, reason: Optional[str], load_dir, persistent, notes) -> _Resolution:
+        """Every rank: this process does not use the local tier; quarantine, say why (one line)."""
+        st = _STATE
+        moved = self._quarantine()
+        target = (f"the newest persistent checkpoint: iteration {persistent} in {load_dir}" if persistent
+                  else f"no persistent checkpoint in {load_dir}: starting from initialization" if load_dir
+                  else "no --load directory: starting from initialization")
+        extra = list(notes)
+        if moved:
+            extra.append(f"{moved} local checkpoint file(s) moved to {Path(self.local_ckpt_dir) / QUARANTINE_DIR}")
+        if reason is None:
+            line = f"no local checkpoint in {self.local_ckpt_dir} -> loading {target}"
+        else:
+            st.force_persistent, st.rejected_reason = True, reason
+            line = f"local checkpoint tier rejected: {reason} -> loading {target}"
+        _say(line + "".join(f"; {n}" for n in extra))
+        return _Resolution(-1, line=line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,7 +1059,10 @@ def install(args: Any) -> None:
     """Install the validated local tier for ``args`` (``install_training_hooks`` calls it).
 
     Does nothing unless ``args.non_persistent_ckpt_type == 'local'`` and
-    ``args.local_tier_validation``. Idempotent: a second call only updates the settings.
+    ``args.local_tier_validation``. Makes ``LocalCheckpointManager`` (the name ``pretrain()``
+    imports) :class:`ValidatedLocalCheckpointManager` and wraps ``train_step`` and
+    ``RerunStateMachine.validate_result`` for the NaN window. Idempotent: a second call only
+    updates the settings.
 
     Raises:
         RuntimeError: the upstream functions this module wraps are missing or changed signature
@@ -885,42 +1078,31 @@ def install(args: Any) -> None:
     window = getattr(args, "local_tier_nan_window", None)
     window = DEFAULT_NAN_WINDOW if window is None else int(window)
     if _STATE is not None:
-        _STATE.validation, _STATE.nan_window = validation, window
+        _STATE.validation, _STATE.nan_window, _STATE.args = validation, window, args
+        _STATE.settings, _STATE.topology = local_identity.run_settings(args), local_identity.topology(args)
         return
 
     import megatron.core.rerun_state_machine as rsm
-    import megatron.training.checkpointing as checkpointing
     import megatron.training.training as training
-    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
-        LocalCheckpointManager,
-    )
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
 
-    expected = {
-        (checkpointing, "_load_base_checkpoint"): ("load_dir", "args", "checkpointing_context"),
-        (checkpointing, "_get_non_persistent_iteration"): ("args", "checkpointing_context"),
-        (checkpointing, "_load_non_persistent_base_checkpoint"):
-            ("args", "rank0", "non_persistent_iteration", "checkpointing_context"),
-        (training, "train_step"): ("iteration",),
-    }
-    for (mod, name), params in expected.items():
-        fn = getattr(mod, name, None)
-        if fn is None or not set(params) <= set(inspect.signature(fn).parameters):
-            raise RuntimeError(f"local_tier: {mod.__name__}.{name} is missing or has changed "
-                               f"(expected parameters {params}); this module targets "
-                               f"megatron-core 0.19.2")
+    fn = getattr(training, "train_step", None)
+    if fn is None or "iteration" not in inspect.signature(fn).parameters:
+        raise RuntimeError("local_tier: megatron.training.training.train_step is missing or has "
+                           "changed (expected a parameter 'iteration'); this module targets "
+                           "megatron-core 0.19.2")
+    if local_manager.LocalCheckpointManager is not LocalCheckpointManager:
+        raise RuntimeError("local_tier: nvidia_resiliency_ext LocalCheckpointManager was already "
+                           f"replaced by {local_manager.LocalCheckpointManager!r}")
     if (rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE, rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION) != _RERUN_EXIT_CODES:
         raise RuntimeError("local_tier: upstream rerun exit codes changed")
 
-    _STATE = _State(validation=validation, nan_window=window)
+    _STATE = _State(validation=validation, nan_window=window, args=args,
+                    settings=local_identity.run_settings(args), topology=local_identity.topology(args))
+    _PATCHER.replace(local_manager, "LocalCheckpointManager", ValidatedLocalCheckpointManager)
     for owner, name, wrap in (
-        (checkpointing, "_load_base_checkpoint", _wrap_load_base_checkpoint),
-        (checkpointing, "_get_non_persistent_iteration", _wrap_get_non_persistent_iteration),
-        (checkpointing, "_load_non_persistent_base_checkpoint", _wrap_load_non_persistent),
         (training, "train_step", _wrap_train_step),
         (rsm.RerunStateMachine, "validate_result", _wrap_validate_result),
-        (LocalCheckpointManager, "save", _wrap_save),
-        (LocalCheckpointManager, "_save", _wrap_file_save),
-        (LocalCheckpointManager, "_cleanup", _wrap_cleanup),
     ):
         original = getattr(owner, name)
         _UP[name] = original

@@ -66,15 +66,30 @@ def _file(root, holder, owner, iteration=1):
 
 
 def _load(root, replicated):
-    """(state_dict, None) or (None, LocalTierRejected) after find_latest + guarded load."""
+    """(state_dict, None, manager) when the validated resolution uses local iteration 1 (the
+    newest), else (None, reason, manager) after it rejected the tier."""
     from megatron.training_ext import local_tier as lt
 
     m = _manager(root, replicated)
-    assert m.find_latest() == 1
-    try:
-        return lt._guarded_load(m)[0], None, m
-    except lt.LocalTierRejected as e:
-        return None, e, m
+    st = lt._STATE
+    st.force_persistent, st.rejected_reason = False, None
+    it = m.find_latest()
+    if it == -1:
+        assert st.force_persistent and st.rejected_reason, "rejected without a reason"
+        return None, st.rejected_reason, m
+    sd, cid = m.load()
+    assert cid[1] == torch.distributed.get_rank()
+    return sd, None, m
+
+
+def _load_at(root, iteration):
+    from megatron.training_ext import local_tier as lt
+
+    m = _manager(root, True)
+    lt._STATE.force_persistent, lt._STATE.rejected_reason = False, None
+    if m.find_latest() != iteration:
+        return None, lt._STATE.rejected_reason, m
+    return m.load()[0], None, m
 
 
 def _values(sd) -> dict:
@@ -91,7 +106,7 @@ def _scenarios(rank, world, root):
 
     replication_fix.apply()  # as pretrain_gpt.py does: checksummed replicas, retrieval over gloo
     args = argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=True,
-                              local_tier_nan_window=3)
+                              local_tier_nan_window=3, seed=1234, tensor_model_parallel_size=1)
     lt.install(args)
     st = lt._STATE
     try:
@@ -115,13 +130,12 @@ def _scenarios(rank, world, root):
         dist.barrier()
         sd, err, m = _load(b, replicated=False)
         assert sd is None and err is not None, "B: corrupted file accepted"
-        assert err.iteration == 1 and "rank 1" in str(err) and "checksum mismatch" in str(err), f"B: {err}"
-        lt._fall_back(m, str(err), load_dir=None)
-        assert st.force_persistent and m.latest_iteration == -1, "B"
+        assert "local checkpoint at iteration 1 failed" in err and "rank 1" in err, f"B: {err}"
+        assert "checksum mismatch" in err and "no verified copy of rank 1's shard" in err, f"B: {err}"
+        assert m.latest_iteration == -1, "B"
         assert sorted(os.listdir(os.path.join(b, str(rank)))) == [lt.QUARANTINE_DIR], "B"
         assert os.listdir(os.path.join(b, str(rank), lt.QUARANTINE_DIR)) == [
             f"iter_0000001_{rank}_local.pt"], "B"
-        st.force_persistent, st.rejected_reason = False, None
 
         # C: no replication, rank 0's file truncated (torch.load raises on rank 0 only): both
         # ranks get the same verdict instead of rank 1 waiting in a collective.
@@ -132,7 +146,7 @@ def _scenarios(rank, world, root):
                 f.truncate(100)
         dist.barrier()
         sd, err, _ = _load(c, replicated=False)
-        assert sd is None and "cannot read" in str(err) and "rank 0" in str(err), f"C: {err}"
+        assert sd is None and "unreadable" in err and "rank 0" in err, f"C: {err}"
 
         # D: replication; rank 1's directory is lost and the replica rank 0 holds for it has a NaN
         # whose checksum was forged to match: only the finiteness check can tell.
@@ -183,14 +197,67 @@ def _scenarios(rank, world, root):
                            "time": "t"}, fh)
             os.makedirs(os.path.join(f_root, "1", lt.QUARANTINE_DIR))
         dist.barrier()
-        reason = lt._check_markers(_manager(f_root, replicated=True))
-        assert reason is not None and "rank 1 marked the local tier bad at iteration 9" in reason, f"F: {reason}"
+        sd, reason, _ = _load(f_root, replicated=True)
+        assert sd is None and "rank 1 marked the local tier bad at iteration 9" in reason, f"F: {reason}"
         assert "loss is nan" in reason, f"F: {reason}"
         st.marker_written = False
         _save(f_root, rank, replicated=True, iteration=2)
         assert lt.read_marker(os.path.join(f_root, str(rank))) is None, "F: marker not cleared"
         assert not os.path.exists(os.path.join(f_root, str(rank), lt.QUARANTINE_DIR)), "F"
-        assert lt._check_markers(_manager(f_root, replicated=True)) is None, "F"
+        m = _manager(f_root, replicated=True)
+        assert m.find_latest() == 2 and m.load()[1][0] == 2, "F: the new checkpoint is used"
+
+        # I: replication; rank 1's primary replaced by the same-iteration file of another run
+        # (other seed): detected by its identity, rank 1 repaired from rank 0's replica.
+        i_root = os.path.join(root, "i")
+        _save(i_root, rank, replicated=True)
+        st.args.seed = 999
+        lt.install(st.args)  # settings are taken at install
+        _save(os.path.join(root, "i_other"), rank, replicated=True)
+        st.args.seed = 1234
+        lt.install(st.args)
+        if rank == 1:
+            shutil.copy(_file(os.path.join(root, "i_other"), 1, 1), _file(i_root, 1, 1))
+        dist.barrier()
+        sd, err, _ = _load(i_root, replicated=True)
+        assert err is None, f"I: {err}"
+        assert torch.equal(_values(sd)["layer.weight"], _tensors(rank)["layer.weight"]), "I"
+        if rank == 1:
+            assert os.listdir(os.path.join(i_root, "1", lt.QUARANTINE_DIR)) == ["iter_0000001_1_local.pt"], "I"
+
+        # J: saved under TP=1, loaded with TP=2: every copy is of another topology; rejected on
+        # both ranks with the setting named, no collective on the files' contents.
+        j_root = os.path.join(root, "j")
+        _save(j_root, rank, replicated=True)
+        st.args.tensor_model_parallel_size = 2
+        lt.install(st.args)
+        sd, err, _ = _load(j_root, replicated=True)
+        st.args.tensor_model_parallel_size = 1
+        lt.install(st.args)
+        assert sd is None and "tensor_model_parallel_size 1 (checkpoint) vs 2 (this run)" in err, f"J: {err}"
+
+        # K: a leftover of a killed save (a partial .dirty.pt of the iteration about to be saved)
+        # neither blocks the save (upstream: SameMachineReplicationException) nor survives it.
+        k_root = os.path.join(root, "k")
+        for owner in range(WORLD):
+            os.makedirs(os.path.join(k_root, str(rank)), exist_ok=True)
+            with open(os.path.join(k_root, str(rank), f"iter_0000003_{owner}_local.dirty.pt"), "wb") as fh:
+                fh.write(b"partial")
+        _save(k_root, rank, replicated=True, iteration=3)
+        assert sorted(os.listdir(os.path.join(k_root, str(rank)))) == [
+            "iter_0000003_0_local.pt", "iter_0000003_1_local.pt"], "K"
+        sd, err, _ = _load_at(k_root, 3)
+        assert err is None and torch.equal(_values(sd)["layer.bias"], _tensors(rank)["layer.bias"]), f"K: {err}"
+
+        # L: replication; a flipped byte in rank 0's own primary: repaired from rank 1's replica.
+        l_root = os.path.join(root, "l")
+        _save(l_root, rank, replicated=True)
+        if rank == 0:
+            fault_injection.flip_byte_in_largest_storage(_file(l_root, 0, 0))
+        dist.barrier()
+        sd, err, _ = _load(l_root, replicated=True)
+        assert err is None, f"L: {err}"
+        assert torch.equal(_values(sd)["layer.weight"], _tensors(rank)["layer.weight"]), "L"
 
         # G: the NaN window. A NaN loss on rank 1 only, inside the window: both ranks write the
         # marker and get exit code 75 without a checkpoint; outside the window: untouched.

@@ -1,0 +1,167 @@
+"""A local checkpoint is used only when it is the right run and topology, and a bad copy is
+repaired from a verified replica (``megatron/training_ext/local_tier.py``), on the real entrypoint
+(2 ranks, ``--cpu``).
+
+One base run writes persistent checkpoints every 5 iterations and local ones every 2, replicated to
+the other rank, and stops at 12 (persistent 10, local 12). Each test resumes a copy of it with
+``--exit-interval 14``: resumed from local 12 it logs 13-14, from persistent 10 it logs 11-14; both
+must be bitwise equal to an uninterrupted run. Guards run the same with
+``--no-local-tier-validation`` (upstream's behaviour) and show what goes wrong there.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron.training_ext.fault_injection import flip_byte_in_largest_storage
+from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+
+pytestmark = pytest.mark.slow
+
+SCHEDULE = ["--train-iters", "16"]
+
+
+def tiers(work: Path) -> list[str]:
+    return ["--save", str(work / "ckpt"), "--load", str(work / "ckpt"), "--save-interval", "5",
+            "--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "local",
+            "--non-persistent-save-interval", "2", "--non-persistent-local-ckpt-dir", str(work / "local"),
+            "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+
+
+def primary(work: Path, rank: int, iteration: int = 12) -> Path:
+    return work / "local" / str(rank) / f"iter_{iteration:07d}_{rank}_local.pt"
+
+
+def start_lines(output: str) -> dict[int, list[str]]:
+    """rank -> the ``[local-tier]`` lines that rank printed about what its start used."""
+    out: dict[int, list[str]] = {}
+    for ln in output.splitlines():
+        if ln.startswith("[local-tier] rank ") and ("local checkpoint at iteration" in ln
+                                                   or "tier rejected" in ln or "no local checkpoint" in ln):
+            if "is complete on all ranks" in ln:
+                continue
+            rank = int(ln.split()[2].rstrip(":"))
+            out.setdefault(rank, []).append(ln)
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = run_pretrain(tmp_path_factory.mktemp("straight"), *SCHEDULE, "--exit-interval", "14")
+    assert sorted(run.losses) == list(range(1, 15))
+    return run.losses
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    work = tmp_path_factory.mktemp("base")
+    run_pretrain(work, *SCHEDULE, *tiers(work), "--exit-interval", "12")
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    for rank in (0, 1):
+        assert sorted(p.name for p in (work / "local" / str(rank)).iterdir()) == [
+            "iter_0000012_0_local.pt", "iter_0000012_1_local.pt"]
+    return work
+
+
+def copy_of(base: Path, dest: Path) -> Path:
+    shutil.copytree(base, dest)
+    return dest
+
+
+def resume(work: Path, *extra: str, check: bool = True):
+    return run_pretrain(work, *SCHEDULE, *tiers(work), "--exit-interval", "14", *extra, check=check)
+
+
+@pytest.fixture(scope="module")
+def new_experiment(base, tmp_path_factory):
+    """A new experiment (other seed, empty --save/--load) started on the old run's local dir."""
+    work = tmp_path_factory.mktemp("new_experiment")
+    shutil.copytree(base / "local", work / "local")
+    run = run_pretrain(work, *SCHEDULE, *tiers(work), "--seed", "999", "--exit-interval", "12")
+    return work, run
+
+
+def test_new_experiment_never_loads_another_runs_local_checkpoint(new_experiment):
+    work, run = new_experiment
+    lines = start_lines(run.output)
+    assert sorted(lines) == [0, 1] and all(len(v) == 1 for v in lines.values()), lines
+    for (ln,) in lines.values():
+        assert "local checkpoint tier rejected" in ln and "written by another run" in ln, ln
+        assert "seed 1234 (checkpoint) vs 999 (this run)" in ln, ln
+        assert "starting from initialization" in ln, ln
+    assert "successfully loaded checkpoint" not in run.output
+    assert sorted(run.losses) == list(range(1, 13)), "must start from scratch"
+    # its own local checkpoint of 12 replaced the old run's; the rejected ones were removed then
+    for rank in (0, 1):
+        assert sorted(p.name for p in (work / "local" / str(rank)).iterdir()) == [
+            "iter_0000012_0_local.pt", "iter_0000012_1_local.pt"]
+
+
+def test_guard_upstream_resumes_another_runs_local_checkpoint(base, tmp_path):
+    """Upstream (--no-local-tier-validation) silently resumes the old run at 13."""
+    shutil.copytree(base / "local", tmp_path / "local")
+    run = run_pretrain(tmp_path, *SCHEDULE, *tiers(tmp_path), "--seed", "999", "--exit-interval", "14",
+                       "--no-local-tier-validation")
+    assert run.first_iteration() == 13
+
+
+def test_foreign_and_corrupt_primaries_are_repaired_from_replicas(base, new_experiment, straight, tmp_path):
+    """Rank 1's own primary replaced by the other run's file of the same iteration (same config,
+    other seed) and one byte flipped in rank 0's own primary: each rank gets its shard from the
+    replica the other holds, and training resumes at 13, bitwise."""
+    work = copy_of(base, tmp_path / "work")
+    other, _ = new_experiment
+    shutil.copy(primary(other, 1), primary(work, 1))
+    flip_byte_in_largest_storage(str(primary(work, 0)))
+    run = resume(work)
+    lines = start_lines(run.output)
+    assert sorted(lines) == [0, 1] and all(len(v) == 1 for v in lines.values()), lines
+    (l0,), (l1,) = lines[0], lines[1]
+    assert "iteration 12: repaired from rank 1's replica on host" in l0 and "checksum mismatch" in l0, l0
+    assert "iteration 12: repaired from rank 0's replica on host" in l1, l1
+    assert "written by another run" in l1 and "seed 999 (checkpoint) vs 1234 (this run)" in l1, l1
+    assert run.first_iteration() == 13
+    assert_bitwise_equal(straight, run.losses, range(13, 15))
+    # the bad primaries were set aside; the save at 14 replicated everything again
+    for rank in (0, 1):
+        d = work / "local" / str(rank)
+        assert sorted(p.name for p in d.iterdir() if p.is_file()) == [
+            "iter_0000014_0_local.pt", "iter_0000014_1_local.pt"], rank
+
+
+def test_truncated_and_empty_primaries_are_repaired_from_replicas(base, straight, tmp_path):
+    work = copy_of(base, tmp_path / "work")
+    with open(primary(work, 0), "r+b") as f:
+        f.truncate(primary(work, 0).stat().st_size // 2)
+    primary(work, 1).write_bytes(b"")
+    run = resume(work)
+    lines = start_lines(run.output)
+    assert all(len(lines.get(r, [])) == 1 for r in (0, 1)), lines
+    for rank, peer in ((0, 1), (1, 0)):
+        (ln,) = lines[rank]
+        assert f"repaired from rank {peer}'s replica" in ln and "unreadable" in ln, ln
+    assert run.first_iteration() == 13
+    assert_bitwise_equal(straight, run.losses, range(13, 15))
+
+
+def test_topology_change_falls_back_to_persistent_before_any_collective(base, tmp_path):
+    work = copy_of(base, tmp_path / "work")
+    run = resume(work, "--tensor-model-parallel-size", "2")
+    lines = start_lines(run.output)
+    assert sorted(lines) == [0, 1] and all(len(v) == 1 for v in lines.values()), lines
+    for (ln,) in lines.values():
+        assert "written under another topology" in ln, ln
+        assert "tensor_model_parallel_size 1 (checkpoint) vs 2 (this run)" in ln, ln
+        assert "data_parallel_size 2 (checkpoint) vs 1 (this run)" in ln, ln
+        assert "-> loading the newest persistent checkpoint: iteration 10" in ln, ln
+    assert run.first_iteration() == 11 and max(run.losses) == 14
+
+
+def test_guard_upstream_fails_on_a_topology_change(base, tmp_path):
+    work = copy_of(base, tmp_path / "work")
+    run = resume(work, "--tensor-model-parallel-size", "2", "--no-local-tier-validation", check=False)
+    assert run.returncode != 0 and not run.losses, run.output[-3000:]
+    assert "AssertionError" in run.output or "Error" in run.output
