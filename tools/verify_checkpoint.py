@@ -8,6 +8,10 @@
     # NaN/Inf, megatron-core's integrity.json (SHA-256 per file) when it was saved with --verify-integrity
     python tools/verify_checkpoint.py --persistent-dir /lustre/ckpt [--iteration 10]
 
+    # local alone: every local iteration; primaries against their replicas (tensors and identity),
+    # the newest complete and consistent iteration, leftovers of interrupted saves
+    python tools/verify_checkpoint.py --local-dir /ssd/local_ckpt [--iteration 12]
+
     # in parallel, one process per file (gloo, CPU only)
     torchrun --nproc-per-node 8 tools/verify_checkpoint.py --local-dir ... --persistent-dir ... --json report.json
 
@@ -21,7 +25,21 @@ With local files, every tensor of every file (primaries and replicas) is compare
 same region of the persistent checkpoint, its stored xxh3 checksum (replication fix) is checked and
 it is scanned for NaN/Inf; ``--verify-manifest`` adds the SHA-256 pass over the persistent files.
 
-Output: a summary (files, tensors compared / equal / mismatched, bytes, checksums, NaN/Inf), a
+``--local-dir`` alone checks every local iteration found (only ``--iteration`` when given): each
+file's stored checksums and NaN/Inf, then every primary against each of its replicas, tensor by
+tensor (key, offset, dtype, shape, checksum) and by identity record (run id, save token, iteration,
+owner, run settings...). A disagreement is a problem naming the shard, both files and what differs,
+e.g. ``rank 1's shard of iteration 12: primary 1/iter_0000012_1_local.pt and replica
+0/iter_0000012_1_local.pt differ in 47 of 48 tensors; identity records differ in run_id, save_token``.
+The report gives the newest iteration that is complete and consistent (every rank's shard has a
+copy that verifies, all copies agree, all shards from one save), e.g. ``newest complete and
+consistent local iteration: 12 (iteration 14: rank 1's shard missing (interrupted save))``; a newer
+incomplete iteration is then a warning, not a problem. Leftovers of interrupted saves and of the
+local tier's fallback are named as warnings: ``*.dirty.pt`` files, files in ``<rank>/rejected/``
+and bad-tier markers ``<rank>/LOCAL_TIER_BAD.json``.
+
+Output: a summary (files, tensors compared / equal / mismatched, bytes, checksums, NaN/Inf), the
+local iterations (complete and consistent, or why not) and the newest complete and consistent one, a
 table of bad shards per key (numeric key segments normalised to ``*``; primary / replica /
 persistent counts; owner and holder ranks), the problems and warnings. The JSON report is
 documented in :mod:`megatron.integrity.report`.
@@ -32,7 +50,8 @@ only the persistent checkpoint; but after the last iteration it saves a persiste
 --non-persistent-save-interval N`` writes the local checkpoint of N in the loop and the persistent
 one of N at the end (add ``--verify-integrity`` for ``integrity.json``).
 
-Exit status: 0 no problem found, 1 problems found (mismatch, checksum failure, NaN/Inf, ...), 2 bad
+Exit status: 0 no problem found, 1 problems found (mismatch, copies that differ, checksum failure,
+NaN/Inf, ...; warnings do not count), 2 bad
 input (missing directory, no checkpoint files, iteration mismatch, unsupported format).
 
 Library: :func:`megatron.integrity.verify.verify_checkpoint`.
@@ -55,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local-dir", metavar="DIR", help="local checkpoint root (--non-persistent-local-ckpt-dir)")
     p.add_argument("--persistent-dir", metavar="DIR", help="torch_dist checkpoint: iteration directory or --save root")
-    p.add_argument("--iteration", type=int, help="iteration to verify (default: the persistent one / latest)")
+    p.add_argument("--iteration", type=int, help="iteration to verify (default: the persistent one; with --local-dir "
+                   "alone: every local iteration)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-nonfinite-check", action="store_true", help="do not scan for NaN/Inf")

@@ -11,7 +11,19 @@ JSON report (``VerifyReport.to_dict()``, written by ``tools/verify_checkpoint.py
       "format": "megatron.integrity.verify_report", "version": 1,
       "mode": "local+persistent" | "persistent" | "local",
       "ok": true | false,                      # no problem found (warnings do not count)
-      "local_dir": str | null, "persistent_dir": str | null, "iteration": int | null,
+      "local_dir": str | null, "persistent_dir": str | null,
+      "iteration": int | null,                 # the iteration verified (local alone: the newest local one)
+      "iterations": [int, ...],                # the local iterations whose files were checked ([] for
+                                               # persistent alone; local alone without --iteration: all)
+      "newest_complete_iteration": int | null, # local modes: the newest checked iteration that is complete
+                                               # and consistent (see below); null: none is, or persistent alone
+      "local_iterations": [                    # local modes: one entry per checked iteration, ascending
+        {"iteration": int, "owners": int, "files": int,
+         "complete": bool,                     # every owner rank 0..N-1 has a copy that verifies
+         "consistent": bool,                   # all copies of each shard agree; all shards from one save
+         "reasons": [str, ...],                # why not complete / consistent ([] when both)
+         "shards": [{"owner_rank": int, "copies": [rel, ...], "usable": [rel, ...], "consistent": bool}, ...]},
+        ...] | null,
       "summary": {...},                        # VerifyReport.summary(): counts and bytes
       "mismatch_table": [...],                 # VerifyReport.mismatch_rows(): one row per key
       "problems": [Problem.to_dict(), ...],    # every finding that makes ``ok`` false
@@ -20,6 +32,16 @@ JSON report (``VerifyReport.to_dict()``, written by ``tools/verify_checkpoint.py
       "manifest": {...} | null,                # megatron-core integrity.json verification
       "timing": {"wall_s": float, "workers": int, "bytes_read": int, "file_bytes": int, "gb_per_s": float}
     }
+
+Local iterations. ``N`` (owners) is the run's world size stored in the files' ``args``, else the highest
+owner rank seen in any checked iteration + 1. A copy *verifies* when it loads, holds plain tensors
+whose bytes match its own checksum record (files written without a record count, with a
+``no_checksum_record`` warning) and names its iteration and owner consistently (file name, common
+state, identity record). Copies of a shard *agree* when they hold the same tensors (key, global
+offset, dtype, shape and checksum: the stored one, or the one computed from the bytes for files
+without a record) and identical identity records (:mod:`megatron.integrity.local_identity`; run id,
+save token, iteration, owner, run settings, topology, host). A copy whose bytes fail its checksums is
+a ``checksum_mismatch`` and does not verify, but its stored record still agrees with intact copies.
 """
 
 from __future__ import annotations
@@ -57,6 +79,9 @@ PROBLEM_KINDS: Dict[str, str] = {
     "local_incomplete": "the local files together do not hold every region of a persistent tensor",
     "missing_copy": "an owner rank has fewer local copies (primary + replicas) than the replication factor",
     "missing_owner": "no local file at all holds some rank's shard",
+    "copies_differ": "copies (primary and replicas) of one shard hold different tensors or identity records",
+    "mixed_saves": "the shards of one local iteration carry the identity of different saves / runs",
+    "identity": "a local file's identity record is unusable or names another iteration / owner than its file name",
     "verifier_error": "the verifier itself failed on a file (the message has the traceback)",
 }
 """Kinds of :class:`Problem` that make a report fail (exit status 1)."""
@@ -64,7 +89,12 @@ PROBLEM_KINDS: Dict[str, str] = {
 WARNING_KINDS: Dict[str, str] = {
     "no_checksum_record": "a local file has no per-tensor checksum record (written without the replication fix)",
     "no_manifest": "the persistent checkpoint has no integrity.json (saved without --verify-integrity)",
-    "dirty_file": "an unfinished local save (*.dirty) is present",
+    "dirty_file": "an unfinished local save (*.dirty.pt) is present",
+    "rejected_file": "a local file quarantined by the training run's local tier (<rank>/rejected/) is present",
+    "bad_tier_marker": "a bad-tier marker (<rank>/LOCAL_TIER_BAD.json) is present: the next start loads the "
+                       "persistent checkpoint",
+    "incomplete_iteration": "a local iteration lacks some rank's shard (interrupted save) while another local "
+                            "iteration is complete and consistent",
     "object_not_compared": "a local ShardedObject has no persistent counterpart to compare with",
     "not_compared": "a local file is not a Megatron (MCore) tensor-aware state dict: only checksums and NaN/Inf checked",
 }
@@ -107,6 +137,7 @@ class Problem:
         holder_rank: rank whose local directory holds the file (local files only).
         owner_rank: rank whose shard the file holds (file name ``iter_<it>_<owner>_local.pt``).
         role: ``"primary"`` (holder == owner), ``"replica"`` or ``"persistent"``.
+        iteration: the local iteration concerned (local findings), else ``None``.
         key: ``ShardedTensor.key`` / ``ShardedObject.key`` / DCP key.
         global_offset: offset of the shard in the global tensor (elements, one per global axis).
         prepend_axis_num: how many leading axes of ``global_offset`` are prepended (layer/expert) axes.
@@ -124,6 +155,7 @@ class Problem:
     holder_rank: Optional[int] = None
     owner_rank: Optional[int] = None
     role: Optional[str] = None
+    iteration: Optional[int] = None
     key: Optional[str] = None
     global_offset: Optional[List[int]] = None
     prepend_axis_num: int = 0
@@ -133,13 +165,16 @@ class Problem:
     details: Dict[str, Any] = field(default_factory=dict)
 
     def sort_key(self) -> tuple:
+        """Order of problems in a report: kind, file, key, offset, message."""
         return (self.kind, self.file or "", self.key or "", tuple(self.global_offset or ()), self.message)
 
     def to_dict(self) -> dict:
+        """The JSON form (every field)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Problem":
+        """Inverse of :meth:`to_dict`."""
         return cls(**d)
 
 
@@ -148,12 +183,15 @@ class FileResult:
     """Counts for one verified file (a local checkpoint file or a persistent ``.distcp`` file).
 
     Bytes are tensor payload bytes (``numel * element_size``), not file sizes, except ``file_bytes``.
+    ``iteration`` and ``has_identity`` (an identity record of :mod:`megatron.integrity.local_identity`)
+    are set for local files only.
     """
 
     file: str
     role: str  # "primary" | "replica" | "persistent"
     holder_rank: Optional[int] = None
     owner_rank: Optional[int] = None
+    iteration: Optional[int] = None
     file_bytes: int = 0
     tensors: int = 0
     tensors_compared: int = 0
@@ -164,6 +202,7 @@ class FileResult:
     checksums_verified: int = 0
     checksums_failed: int = 0
     has_checksum_record: Optional[bool] = None
+    has_identity: Optional[bool] = None
     nonfinite_tensors: int = 0
     objects_compared: int = 0
     objects_equal: int = 0
@@ -174,10 +213,12 @@ class FileResult:
     persistent_bytes_read: int = 0
 
     def to_dict(self) -> dict:
+        """The JSON form (every field)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "FileResult":
+        """Inverse of :meth:`to_dict`."""
         return cls(**d)
 
 
@@ -231,7 +272,14 @@ class VerifyReport:
     Attributes:
         mode: ``"local+persistent"``, ``"persistent"`` or ``"local"``.
         local_dir / persistent_dir: what was verified (``persistent_dir`` is the iteration directory).
-        iteration: the training iteration verified.
+        iteration: the training iteration verified (local alone, several iterations: the newest).
+        iterations: the local iterations whose files were checked: ``[iteration]``, all local
+            iterations when the local checkpoint is verified alone without an iteration given, ``[]``
+            for a persistent checkpoint alone.
+        local_iterations: local modes: per checked iteration, whether it is complete and consistent,
+            why not, and its shards' copies (see the module docstring); ``None`` for persistent alone.
+        newest_complete_iteration: the newest of ``local_iterations`` that is complete and
+            consistent, ``None`` if none is.
         files: per-file counts, sorted by file name.
         problems: findings that make the verification fail, sorted.
         warnings: findings that do not.
@@ -249,6 +297,9 @@ class VerifyReport:
     local_dir: Optional[str]
     persistent_dir: Optional[str]
     iteration: Optional[int]
+    iterations: List[int] = field(default_factory=list)
+    local_iterations: Optional[List[Dict[str, Any]]] = None
+    newest_complete_iteration: Optional[int] = None
     files: List[FileResult] = field(default_factory=list)
     problems: List[Problem] = field(default_factory=list)
     warnings: List[Problem] = field(default_factory=list)
@@ -266,6 +317,7 @@ class VerifyReport:
         return 0 if self.ok else 1
 
     def sort(self) -> None:
+        """Sort files, problems and warnings (a report's content does not depend on who found what)."""
         self.files.sort(key=lambda f: (f.file, f.role))
         self.problems.sort(key=Problem.sort_key)
         self.warnings.sort(key=Problem.sort_key)
@@ -346,6 +398,32 @@ class VerifyReport:
             })
         return out
 
+    def local_iteration_lines(self) -> List[str]:
+        """Text lines on the local iterations: one per checked iteration (complete and consistent,
+        or why not), then ``newest complete and consistent local iteration: N`` (``none``), followed
+        by why the newer iterations are not, in parentheses.
+
+        Returns:
+            ``[]`` when the report has no local iterations (persistent checkpoint alone).
+        """
+        if self.local_iterations is None:
+            return []
+        out = ["Local iterations:"]
+        for it in self.local_iterations:
+            head = f"  {it['iteration']}: "
+            if it["complete"] and it["consistent"]:
+                out.append(head + f"complete and consistent ({it['owners']} shards, {it['files']} files)")
+            else:
+                state = ("complete" if it["complete"] else "INCOMPLETE") + ", " + \
+                        ("consistent" if it["consistent"] else "INCONSISTENT")
+                out.append(head + f"{state}: " + "; ".join(it["reasons"]))
+        newest = self.newest_complete_iteration
+        newer = [it for it in self.local_iterations if newest is None or it["iteration"] > newest]
+        why = "; ".join(f"iteration {it['iteration']}: {'; '.join(it['reasons'])}" for it in reversed(newer))
+        out.append(f"newest complete and consistent local iteration: {'none' if newest is None else newest}"
+                   + (f" ({why})" if why else ""))
+        return out
+
     # ---- serialisation -----------------------------------------------------------------------
 
     def to_dict(self, include_timing: bool = True) -> Dict[str, Any]:
@@ -358,6 +436,9 @@ class VerifyReport:
             "local_dir": self.local_dir,
             "persistent_dir": self.persistent_dir,
             "iteration": self.iteration,
+            "iterations": list(self.iterations),
+            "newest_complete_iteration": self.newest_complete_iteration,
+            "local_iterations": self.local_iterations,
             "summary": self.summary(),
             "mismatch_table": self.mismatch_rows(),
             "problems": [p.to_dict() for p in self.problems],
@@ -372,8 +453,10 @@ class VerifyReport:
     def format_text(self, max_rows: int = 50) -> str:
         """Summary, the per-key mismatch table, and the first ``max_rows`` problems and warnings."""
         s = self.summary()
+        its = (f"iterations {', '.join(map(str, self.iterations))}" if len(self.iterations) > 1
+               else f"iteration {self.iteration}")
         lines = [
-            f"Checkpoint verification ({self.mode}), iteration {self.iteration}",
+            f"Checkpoint verification ({self.mode}), {its}",
             f"  local:      {self.local_dir or '-'}",
             f"  persistent: {self.persistent_dir or '-'}",
             "",
@@ -414,6 +497,8 @@ class VerifyReport:
             rows.append(("time", f"{t.get('wall_s', 0):.2f} s on {t.get('workers', 1)} process(es), "
                                  f"{human_bytes(t.get('bytes_read', 0))} read, {t.get('gb_per_s', 0):.3f} GB/s"))
         lines.append(format_table(("summary", "value"), rows))
+        if self.local_iterations is not None:
+            lines += ["", *self.local_iteration_lines()]
         mrows = self.mismatch_rows()
         if mrows:
             lines += ["", "Bad shards per key (numeric key segments -> *; indices: replaced numbers and "

@@ -31,7 +31,31 @@ chunk and object read and deserialised, NaN/Inf scan, and megatron-core's own in
 (``integrity.json``, SHA-256 per file, written with ``--verify-integrity``): checked with
 ``megatron.core.dist_checkpointing.validation.verify_integrity_manifest``.
 
-*Local alone* (``persistent_dir=None``): checksums, NaN/Inf, copies per owner.
+*Local alone* (``persistent_dir=None``): every local iteration found (only ``iteration`` when given),
+each file checked once for stored checksums and NaN/Inf, and then:
+
+* **copies agree**: every primary with each of its replicas, tensor by tensor (key, global offset,
+  dtype, shape and checksum: the stored one, or for files without a record the one computed from
+  the bytes), and their identity records (:mod:`megatron.integrity.local_identity`: run id, save
+  token, iteration, owner, run settings, topology, host). A disagreement is a ``copies_differ``
+  problem naming the shard, both files and how many tensors / which identity fields differ, with
+  the likely wrong copy where the other files of the iteration tell (``suspect``). Shards whose
+  copies agree but that come from different saves (run id, save token) are ``mixed_saves``. A copy
+  damaged after its save fails its own checksums (``checksum_mismatch``) and does not count as
+  verifying, but still agrees with intact copies by its stored record;
+* **newest complete and consistent iteration** (``VerifyReport.newest_complete_iteration``):
+  every owner rank ``0..N-1`` (``N``: the run's world size from the files' ``args``, else the
+  highest owner seen + 1) has a copy that verifies, the copies of each shard agree and the shards
+  come from one save; ``VerifyReport.local_iterations`` says for each iteration why it is not. A
+  shard missing from an iteration while another one is complete and consistent is the trace of an
+  interrupted save: a warning (``incomplete_iteration``); with no usable iteration, a problem
+  (``missing_owner``). Too few copies of a shard (``--replication-factor``) is a problem;
+* **leftovers** as warnings, by relative path: unfinished saves (``*.dirty.pt``), files the
+  training run's local tier quarantined (``<rank>/rejected/``) and its bad-tier markers
+  (``<rank>/LOCAL_TIER_BAD.json``, with their iteration and reason).
+
+The copy comparison and the completeness of the iteration verified also run with a persistent
+checkpoint.
 
 Layout of a local checkpoint (NVRx 0.7.0 ``LocalCheckpointManager``)::
 
@@ -56,7 +80,9 @@ e.g. ``torchrun --nproc-per-node N tools/verify_checkpoint.py ...``). Work is di
 rank lists the local files it can see (node-local directories work: a file is checked by a rank that
 sees it), files of the same owner go to the same rank where possible (so the persistent regions they
 share are read once and then served by the page cache), biggest first, to the least loaded rank.
-Results are gathered on every rank; the report is the same as a single process would produce.
+Results are gathered on every rank (per-file findings, and per copy its tensors' checksums and
+identity record, compared once gathered; leftovers each rank sees); the report is the same as a
+single process would produce.
 
 Each process makes one pass over each tensor's bytes, in 1 MiB blocks that stay in cache for all
 checks (:func:`fused_scan`: xxh3, ``memcmp``, ``aminmax``), on memory-mapped files (local files via
@@ -74,6 +100,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import math
 import os
 import re
@@ -97,6 +124,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject as _ShardedOb
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict  # noqa: F401
 from megatron.integrity import checksums as ck
 from megatron.integrity._readahead import ReadAhead
+from megatron.integrity import local_identity
+from megatron.integrity.local_identity import get_identity, parse_local_name
 from megatron.integrity.persistent import (
     INTEGRITY_FNAME,
     CheckpointInputError,
@@ -124,7 +153,7 @@ __all__ = [
 DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
 """Most persistent tensor bytes held in memory at once while comparing one local file."""
 
-_LOCAL_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.pt")
+_LOCAL_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.pt")  # final files only (local_identity.LOCAL_FILE_RE: also .dirty)
 
 
 class IterationMismatchError(CheckpointInputError):
@@ -162,6 +191,10 @@ class LocalFile:
         return "primary" if self.holder_rank == self.owner_rank else "replica"
 
 
+MARKER_NAME = local_identity.MARKER_NAME
+QUARANTINE_DIR = local_identity.QUARANTINE_DIR
+
+
 @dataclass
 class LocalLayout:
     """Local checkpoint files found under a root.
@@ -170,22 +203,38 @@ class LocalLayout:
         root: the directory given.
         rank_root: the directory holding the ``<rank>/`` directories (``root`` or ``root/<session>``).
         files: iteration -> files, sorted by ``rel``.
-        dirty: unfinished saves (``*.dirty``), relative paths.
+        dirty: unfinished saves (``iter_*_local.dirty.pt``), relative paths.
+        rejected: files in ``<rank>/rejected/`` (local files the training run quarantined), relative paths.
+        markers: bad-tier markers (``<rank>/LOCAL_TIER_BAD.json``): relative path -> the marker's
+            content (``{"unreadable": reason}`` when it cannot be parsed).
     """
 
     root: Path
     rank_root: Path
     files: Dict[int, List[LocalFile]]
     dirty: List[str] = field(default_factory=list)
+    rejected: List[str] = field(default_factory=list)
+    markers: Dict[str, dict] = field(default_factory=dict)
 
     @property
     def iterations(self) -> List[int]:
+        """The iterations that have files, ascending."""
         return sorted(self.files)
 
 
-def _scan_rank_dirs(d: Path, root: Path) -> Tuple[Dict[int, List[LocalFile]], List[str]]:
+def _read_marker(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return {"unreadable": f"{type(e).__name__}: {e}"}
+    return data if isinstance(data, dict) else {"unreadable": f"a JSON {type(data).__name__}, not an object"}
+
+
+def _scan_rank_dirs(d: Path, root: Path) -> Tuple[Dict[int, List[LocalFile]], List[str], List[str], Dict[str, dict]]:
     files: Dict[int, List[LocalFile]] = {}
     dirty: List[str] = []
+    rejected: List[str] = []
+    markers: Dict[str, dict] = {}
     for rank_dir in sorted(d.iterdir()):
         if not (rank_dir.is_dir() and rank_dir.name.isdigit()):
             continue
@@ -198,18 +247,23 @@ def _scan_rank_dirs(d: Path, root: Path) -> Tuple[Dict[int, List[LocalFile]], Li
                 files.setdefault(it, []).append(LocalFile(str(f.resolve()), rel, holder, owner, it, f.stat().st_size))
             elif f.name.startswith("iter_") and "dirty" in f.name:
                 dirty.append(rel)
-    return files, dirty
+            elif f.name == MARKER_NAME and f.is_file():
+                markers[rel] = _read_marker(f)
+            elif f.name == QUARANTINE_DIR and f.is_dir():
+                rejected += sorted(str(q.relative_to(root)) for q in f.rglob("*") if q.is_file())
+    return files, dirty, rejected, markers
 
 
 def discover_local(local_dir: Union[str, os.PathLike]) -> LocalLayout:
-    """Find the local checkpoint files under ``local_dir``.
+    """Find the local checkpoint files under ``local_dir``, and the leftovers of interrupted saves.
 
     Args:
         local_dir: the run's ``--non-persistent-local-ckpt-dir`` (holding ``<rank>/`` directories),
             or that directory's ``<session_id>/`` subdirectory.
 
     Returns:
-        A :class:`LocalLayout` (possibly with no files: for distributed runs a rank may see none).
+        A :class:`LocalLayout` (possibly with no files: for distributed runs a rank may see none),
+        with its ``dirty``, ``rejected`` and ``markers`` leftovers.
 
     Raises:
         CheckpointInputError: ``local_dir`` does not exist or is not a directory, or several session
@@ -220,24 +274,24 @@ def discover_local(local_dir: Union[str, os.PathLike]) -> LocalLayout:
         raise CheckpointInputError(f"local checkpoint directory {root} does not exist")
     if not root.is_dir():
         raise CheckpointInputError(f"local checkpoint path {root} is not a directory")
-    files, dirty = _scan_rank_dirs(root, root)
+    files, dirty, rejected, markers = _scan_rank_dirs(root, root)
     if files:
-        return LocalLayout(root, root, files, dirty)
+        return LocalLayout(root, root, files, dirty, rejected, markers)
     found = []
     for sub in sorted(root.iterdir()):
         if sub.is_dir() and not sub.name.isdigit():
-            f, dd = _scan_rank_dirs(sub, root)
-            if f:
-                found.append((sub, f, dd))
+            scan = _scan_rank_dirs(sub, root)
+            if scan[0]:
+                found.append((sub, scan))
     if len(found) > 1:
         raise CheckpointInputError(
-            f"{root} holds local checkpoints of several sessions ({[s.name for s, _, _ in found]}); "
+            f"{root} holds local checkpoints of several sessions ({[s.name for s, _ in found]}); "
             f"pass one of them, e.g. {found[0][0]}"
         )
     if found:
-        sub, f, dd = found[0]
-        return LocalLayout(root, sub, f, dirty + dd)
-    return LocalLayout(root, root, {}, dirty)
+        sub, (f, dd, rj, mk) = found[0]
+        return LocalLayout(root, sub, f, dirty + dd, rejected + rj, {**markers, **mk})
+    return LocalLayout(root, root, {}, dirty, rejected, markers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,6 +518,20 @@ class _Partial:
     manifest_failed: List[Tuple[str, str]] = field(default_factory=list)
     manifest_checked: int = 0
     bytes_read: int = 0
+    # local file rel -> what its copies are compared by (see _CopyPrint)
+    prints: Dict[str, "_CopyPrint"] = field(default_factory=dict)
+
+
+@dataclass
+class _CopyPrint:
+    """What one local file holds, for comparing the copies of a shard (picklable, builtin types):
+    ``tensors``: ``(key, global offset, dtype, shape, stored checksum or None, checksum of the bytes
+    or None)`` per tensor, in file order; ``identity``: the identity record (``None``: none);
+    ``loaded``: the file could be loaded as a state dict."""
+
+    loaded: bool = False
+    identity: Optional[dict] = None
+    tensors: List[Tuple[str, Optional[tuple], str, tuple, Optional[int], Optional[int]]] = field(default_factory=list)
 
 
 def _where(lf: LocalFile) -> str:
@@ -498,6 +566,7 @@ class _OpenedLocal:
     items: List[Tuple[str, Any, Any]] = field(default_factory=list)  # (key, tensor, ShardedTensor or None)
     objs: list = field(default_factory=list)
     entries: Optional[list] = None
+    print: Optional[_CopyPrint] = None
     batches: List[List[int]] = field(default_factory=list)
     batch_tickets: List[int] = field(default_factory=list)
     failed: bool = False
@@ -555,9 +624,11 @@ def _tensor_file_ranges(path: str, tensors: Sequence[torch.Tensor]) -> Optional[
 def _open_local(lf: LocalFile, opts: _Options, part: _Partial) -> _OpenedLocal:
     """Load (map) a local file and read its metadata; problems go to ``part``."""
     res = FileResult(file=lf.rel, role=lf.role, holder_rank=lf.holder_rank, owner_rank=lf.owner_rank,
-                     file_bytes=lf.size)
-    base = dict(file=lf.rel, holder_rank=lf.holder_rank, owner_rank=lf.owner_rank, role=lf.role)
+                     iteration=lf.iteration, file_bytes=lf.size)
+    base = dict(file=lf.rel, holder_rank=lf.holder_rank, owner_rank=lf.owner_rank, role=lf.role,
+                iteration=lf.iteration)
     op = _OpenedLocal(lf, res, base)
+    op.print = part.prints[lf.rel] = _CopyPrint()
     try:
         try:
             sd = torch.load(lf.path, map_location="cpu", weights_only=False, mmap=opts.mmap)
@@ -571,6 +642,19 @@ def _open_local(lf: LocalFile, opts: _Options, part: _Partial) -> _OpenedLocal:
         op.failed = True
         return op
     op.sd = sd
+    op.print.loaded = True
+    try:
+        ident = get_identity(sd)
+    except ValueError as e:
+        part.problems.append(Problem("identity", f"{_where(lf)}: unusable identity record: {e}", **base))
+        ident = {"unusable": str(e)}
+    else:
+        if ident is not None and (ident.get("iteration"), ident.get("owner_rank")) != (lf.iteration, lf.owner_rank):
+            part.problems.append(Problem("identity", f"{_where(lf)}: its identity record is of rank "
+                                         f"{ident.get('owner_rank')}'s shard of iteration {ident.get('iteration')}, "
+                                         f"its name says rank {lf.owner_rank}, iteration {lf.iteration}", **base))
+    res.has_identity = ident is not None
+    op.print.identity = ident
     common = getattr(sd, "common", None)
     if isinstance(common, dict):
         args = common.get("args")
@@ -681,7 +765,7 @@ def _check_opened(op: _OpenedLocal, pc: Optional[PersistentCheckpoint], opts: _O
                 part.bytes_read += sum(r.numel() * r.element_size() for r in regions if isinstance(r, torch.Tensor))
             for j, i in enumerate(b):
                 key, t, sh = op.items[i]
-                _check_tensor(lf, res, part, base, i, key, t, sh, op.entries, regions[j], opts)
+                _check_tensor(lf, res, part, base, i, key, t, sh, op.entries, regions[j], opts, op.print)
                 if isinstance(t, torch.Tensor):
                     advance(t.numel() * t.element_size())
                 if sh is not None:
@@ -746,12 +830,15 @@ def fused_scan(t: torch.Tensor, ref: Optional[torch.Tensor] = None, want_checksu
 
 
 def _check_tensor(lf, res: FileResult, part: _Partial, base: dict, i: int, key: str, t: Any, sh: Any,
-                  entries: Optional[list], region: Union[torch.Tensor, str, None], opts: _Options) -> None:
+                  entries: Optional[list], region: Union[torch.Tensor, str, None], opts: _Options,
+                  cp: Optional[_CopyPrint] = None) -> None:
+    offset = [int(o) for o in sh.global_offset] if sh is not None else None
     if not isinstance(t, torch.Tensor) or type(t).dequantize is not torch.Tensor.dequantize:
         part.problems.append(Problem("unreadable", f"{_where(lf)}: '{key}' is a {type(t).__name__}, "
                                      "not a plain tensor", **base, key=key))
+        if cp is not None:
+            cp.tensors.append((key, None if offset is None else tuple(offset), type(t).__name__, (), None, None))
         return
-    offset = [int(o) for o in sh.global_offset] if sh is not None else None
     prepend = int(sh.prepend_axis_num) if sh is not None else 0
     info = dict(base, key=key, global_offset=offset, prepend_axis_num=prepend, shape=list(t.shape),
                 dtype=ck.dtype_name(t.dtype), nbytes=t.numel() * t.element_size())
@@ -784,8 +871,12 @@ def _check_tensor(lf, res: FileResult, part: _Partial, base: dict, i: int, key: 
     elif isinstance(region, str):
         part.problems.append(Problem("missing_in_persistent", f"{_where(lf)}: {at}: {region}", **info))
 
-    checksum, equal, maybe_nonfinite = fused_scan(t, ref, want_checksum=entry is not None,
-                                                  check_nonfinite=opts.check_nonfinite)
+    # the checksum of the bytes is always computed: it verifies the stored one and, for files
+    # without a record, is what their copies are compared by
+    checksum, equal, maybe_nonfinite = fused_scan(t, ref, want_checksum=True, check_nonfinite=opts.check_nonfinite)
+    if cp is not None:
+        cp.tensors.append((key, None if offset is None else tuple(offset), info["dtype"], tuple(info["shape"]),
+                           entry["checksum"] if entry is not None else None, checksum))
     # 1. stored checksum
     if entry is not None:
         if checksum == entry["checksum"]:
@@ -1087,8 +1178,8 @@ def verify_checkpoint(
             directories; in distributed mode each rank may see only some of them).
         persistent_dir: a ``torch_dist`` iteration directory (``.../iter_0000010``) or the ``--save``
             root (the iteration is then the local one, or ``iteration``, or the latest).
-        iteration: the iteration to verify (default: the persistent directory's, else the latest
-            local one).
+        iteration: the iteration to verify (default: the persistent directory's; with a local
+            directory alone, every local iteration, to find the newest complete and consistent one).
         check_nonfinite: scan floating-point tensors for NaN/Inf.
         verify_manifest: verify megatron-core's ``integrity.json`` (SHA-256 of every file) if the
             persistent checkpoint has one. Default (``None``): only when the persistent checkpoint is
@@ -1112,7 +1203,8 @@ def verify_checkpoint(
         progress: show a ``tqdm`` progress bar (bytes) on rank 0 of the group.
 
     Returns:
-        The :class:`VerifyReport` (identical on every rank).
+        The :class:`VerifyReport` (identical on every rank). With local files it has
+        ``local_iterations`` and ``newest_complete_iteration`` (see :mod:`megatron.integrity.report`).
 
     Raises:
         CheckpointInputError: neither directory given, a directory missing, no local files at all,
@@ -1159,10 +1251,14 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
 
     layout = agree(lambda: discover_local(local_dir) if local_dir is not None else None)
     if layout is not None and world > 1:
-        # in a distributed run, iterations are the union over ranks (node-local directories)
-        its = sorted(set().union(*_all_gather(set(layout.files), group, world)))
-        for it in its:
+        # in a distributed run, iterations and leftovers are the union over ranks (node-local directories)
+        seen = _all_gather((set(layout.files), layout.dirty, layout.rejected, layout.markers), group, world)
+        for it in sorted(set().union(*(x[0] for x in seen))):
             layout.files.setdefault(it, [])
+        layout.dirty = sorted({rel for x in seen for rel in x[1]})
+        layout.rejected = sorted({rel for x in seen for rel in x[2]})
+        layout.markers = {rel: m for x in seen for rel, m in sorted(x[3].items())}
+    all_iterations = layout is not None and iteration is None and persistent_dir is None
 
     def open_persistent():
         if layout is not None and not any(layout.files.values()):
@@ -1186,11 +1282,17 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
     my_local: List[LocalFile] = []
     my_data_files: List[str] = []
     my_manifest: List[str] = []
+    # local alone without an iteration: every local iteration (to find the newest complete one)
+    checked = (layout.iterations if all_iterations else [iteration]) if layout is not None else []
+    copies: List[LocalFile] = []
     if layout is not None:
-        mine = {f.rel: f for f in layout.files.get(iteration, [])}
-        visible = _all_gather([(f.rel, f.owner_rank, f.size) for f in mine.values()], group, world)
-        assigned = _local_units(visible, world)[rank]
-        my_local = sorted((mine[r] for r in assigned), key=lambda f: (f.owner_rank, f.role != "primary", f.rel))
+        mine = {f.rel: f for it in checked for f in layout.files.get(it, [])}
+        visible: List[List[LocalFile]] = _all_gather(list(mine.values()), group, world)
+        copies = sorted({f.rel: f for fs in visible for f in fs}.values(), key=lambda f: f.rel)
+        units = [[(f.rel, (f.iteration, f.owner_rank), f.size) for f in fs] for fs in visible]
+        assigned = _local_units(units, world)[rank]
+        my_local = sorted((mine[r] for r in assigned),
+                          key=lambda f: (f.iteration, f.owner_rank, f.role != "primary", f.rel))
     if pc is not None and layout is None:
         units = [(n, max(s, 0), set(range(world))) for n, s in pc.data_files.items()]
         my_data_files = sorted(_assign(units, world)[rank])
@@ -1224,7 +1326,7 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
             except Exception:  # noqa: BLE001 - never leave the other ranks waiting
                 part.problems.append(Problem("verifier_error", f"{_where(f)}: {traceback.format_exc()}",
                                              file=f.rel, holder_rank=f.holder_rank, owner_rank=f.owner_rank,
-                                             role=f.role))
+                                             role=f.role, iteration=f.iteration))
                 return None
 
         nxt = open_and_plan(0) if my_local else None
@@ -1238,7 +1340,7 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
             except Exception:  # noqa: BLE001
                 part.problems.append(Problem("verifier_error", f"{_where(lf)}: {traceback.format_exc()}",
                                              file=lf.rel, holder_rank=lf.holder_rank, owner_rank=lf.owner_rank,
-                                             role=lf.role))
+                                             role=lf.role, iteration=lf.iteration))
         for name in my_data_files:
             try:
                 _check_persistent_file(pc, name, opts, part, step, ra)
@@ -1251,7 +1353,7 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
             bar.close()
 
     parts: List[_Partial] = _all_gather(part, group, world)
-    report = _merge(parts, layout, pc, mode, iteration, manifest, verify_manifest)
+    report = _merge(parts, layout, pc, mode, iteration, manifest, verify_manifest, checked, copies)
     wall = time.perf_counter() - t0
     bytes_read = sum(p.bytes_read for p in parts)
     data_bytes = sum(f.file_bytes for f in report.files)
@@ -1261,16 +1363,26 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
 
 
 def _merge(parts: List[_Partial], layout: Optional[LocalLayout], pc: Optional[PersistentCheckpoint], mode: str,
-           iteration: Optional[int], manifest: Optional[dict], verify_manifest: bool) -> VerifyReport:
+           iteration: Optional[int], manifest: Optional[dict], verify_manifest: bool,
+           checked: Sequence[int] = (), copies: Sequence[LocalFile] = ()) -> VerifyReport:
+    """The report from every worker's findings (the same on every rank: only gathered data is used).
+
+    Args:
+        checked: the local iterations whose files were checked.
+        copies: every local file of those iterations that some rank saw (whether or not it could be
+            checked).
+    """
     report = VerifyReport(mode=mode, local_dir=str(layout.rank_root) if layout else None,
-                          persistent_dir=str(pc.path) if pc else None, iteration=iteration)
+                          persistent_dir=str(pc.path) if pc else None, iteration=iteration,
+                          iterations=list(checked))
+    prints: Dict[str, _CopyPrint] = {}
     for p in parts:
         report.files += p.files
         report.problems += p.problems
         report.warnings += p.warnings
+        prints.update(p.prints)
     if layout is not None:
-        for rel in layout.dirty:
-            report.warnings.append(Problem("dirty_file", f"{rel}: unfinished local save (*.dirty); ignored", file=rel))
+        _leftover_warnings(report, layout)
     if pc is not None:
         report.problems += pc.check_metadata()
         if verify_manifest:
@@ -1287,9 +1399,8 @@ def _merge(parts: List[_Partial], layout: Optional[LocalLayout], pc: Optional[Pe
                 for n, why in failed:
                     report.problems.append(Problem("manifest", f"persistent {n}: {why}",
                                                    file=None if n == "*" else n, role="persistent"))
-    local_files = [f for f in report.files if f.role in ("primary", "replica")]
-    if layout is not None and local_files:
-        _copies_problems(report, local_files)
+    if layout is not None and copies:
+        _local_iterations(report, list(checked), list(copies), prints, layout.dirty)
     if layout is not None and pc is not None:
         regions: Dict[str, Dict[Tuple[tuple, tuple], int]] = {}
         for p in parts:
@@ -1312,22 +1423,242 @@ def _merge(parts: List[_Partial], layout: Optional[LocalLayout], pc: Optional[Pe
     return report
 
 
-def _copies_problems(report: VerifyReport, files: List[FileResult]) -> None:
-    by_owner: Dict[int, List[FileResult]] = {}
-    for f in files:
-        by_owner.setdefault(f.owner_rank, []).append(f)
-    world = max((f.world_size or 0 for f in files), default=0)
-    factor = max((f.replication_factor or 1 for f in files), default=1)
-    for r in range(world):
-        if r not in by_owner:
-            report.problems.append(Problem("missing_owner", f"no local file holds rank {r}'s shard (the run had "
-                                           f"{world} ranks)", owner_rank=r))
-    for owner, fs in sorted(by_owner.items()):
-        if len(fs) < factor:
-            holders = sorted(f.holder_rank for f in fs)
-            report.problems.append(Problem("missing_copy", f"rank {owner}'s shard has {len(fs)} local cop"
-                                           f"{'y' if len(fs) == 1 else 'ies'} (held by ranks {holders}); the run "
-                                           f"replicated with --replication-factor {factor}", owner_rank=owner))
+def _holder_of(rel: str) -> Optional[int]:
+    """The rank directory a relative local path lies in (its first all-digit component)."""
+    for part in Path(rel).parts:
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def _leftover_warnings(report: VerifyReport, layout: LocalLayout) -> None:
+    """Warnings naming what interrupted saves and the local tier's fallback left behind."""
+    for rel in layout.dirty:
+        report.warnings.append(Problem("dirty_file", f"{rel}: unfinished local save (*.dirty.pt, left by an "
+                                       "interrupted save); ignored", file=rel, holder_rank=_holder_of(rel)))
+    for rel in layout.rejected:
+        report.warnings.append(Problem("rejected_file", f"{rel}: quarantined by the local tier (rejected when the "
+                                       "run loaded its local checkpoint); not verified", file=rel,
+                                       holder_rank=_holder_of(rel)))
+    for rel, m in sorted(layout.markers.items()):
+        if "unreadable" in m:
+            what = f"unreadable: {m['unreadable']}"
+        else:
+            reason = str(m.get("reason", "?"))
+            what = f"iteration {m.get('iteration', '?')}: {reason if len(reason) <= 200 else reason[:197] + '...'}"
+        rank = m.get("rank", _holder_of(rel))
+        report.warnings.append(Problem("bad_tier_marker", f"{rel}: bad-tier marker of rank {rank} ({what}); the next "
+                                       "start loads the persistent checkpoint", file=rel, holder_rank=_holder_of(rel),
+                                       details={k: v for k, v in m.items() if isinstance(v, (str, int, float))}))
+
+
+# kinds of problems after which a local copy does not count as one that verifies
+_UNUSABLE_KINDS = frozenset({"unreadable", "not_a_local_checkpoint", "checksum_mismatch", "verifier_error",
+                             "iteration", "identity"})
+_IDENTITY_KEY_FIELDS = ("run_id", "save_token", "iteration", "owner_rank")
+
+
+def _identity_differences(a: Optional[dict], b: Optional[dict]) -> List[str]:
+    """Fields in which two identity records differ: ``run_id``, ``save_token``, ``iteration``,
+    ``owner_rank`` first, then the others in name order; nested records (``run_settings``,
+    ``topology``) as ``name.field``."""
+    if a is None and b is None:
+        return []
+    if a is None or b is None:
+        return ["identity record (one copy has none)"]
+    out = []
+    for k in list(_IDENTITY_KEY_FIELDS) + sorted((set(a) | set(b)) - set(_IDENTITY_KEY_FIELDS), key=str):
+        va, vb = a.get(k), b.get(k)
+        if va == vb:
+            continue
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += [f"{k}.{n}" for n in sorted(set(va) | set(vb), key=str) if va.get(n) != vb.get(n)]
+        else:
+            out.append(str(k))
+    return out
+
+
+def _tensor_map(cp: _CopyPrint) -> Dict[Tuple[str, Optional[tuple]], list]:
+    """(key, global offset) -> [(dtype, shape, checksum)]: the stored checksum where the file has
+    one (a copy whose bytes were damaged after the save still agrees with intact copies; the damage
+    is a checksum problem of its own), else the checksum of the bytes."""
+    m: Dict[Tuple[str, Optional[tuple]], list] = {}
+    for key, off, dtype, shape, stored, actual in cp.tensors:
+        m.setdefault((key, off), []).append((dtype, shape, stored if stored is not None else actual))
+    return m
+
+
+def _compare_copies(a: _CopyPrint, b: _CopyPrint) -> Tuple[List[str], int]:
+    """Keys of the tensors in which two copies differ (missing on one side included), and how many
+    distinct tensors (key, offset) the two hold together."""
+    ma, mb = _tensor_map(a), _tensor_map(b)
+    keys = sorted(set(ma) | set(mb), key=lambda k: (k[0], k[1] or ()))
+    return [k[0] for k in keys if ma.get(k) != mb.get(k)], len(keys)
+
+
+def _signature(cp: _CopyPrint) -> Tuple[tuple, str]:
+    """Hashable summary of a copy: equal for copies that agree (see :func:`_compare_copies`)."""
+    items = sorted(_tensor_map(cp).items(), key=lambda kv: (kv[0][0], kv[0][1] or ()))
+    return tuple((k, tuple(v)) for k, v in items), json.dumps(cp.identity, sort_keys=True, default=str)
+
+
+def _save_of(cp: Optional[_CopyPrint]) -> Optional[Tuple[Any, Any]]:
+    ident = cp.identity if cp is not None else None
+    if not ident or "unusable" in ident:
+        return None
+    return ident.get("run_id"), ident.get("save_token")
+
+
+def _strict_majority(counts: Dict[Any, int]) -> Any:
+    """The value counted most often if no other is counted as often, else ``None``."""
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    if not ranked or (len(ranked) > 1 and ranked[1][1] == ranked[0][1]):
+        return None
+    return ranked[0][0]
+
+
+def _missing_text(it: int, owner: int, newest: Optional[int], dirty_of: Dict[Tuple[int, int], List[str]]) -> str:
+    """Why ``owner``'s shard of iteration ``it`` is absent, as far as the directory tells."""
+    d = dirty_of.get((it, owner))
+    if d:
+        return f"rank {owner}'s shard missing (interrupted save: {', '.join(d)})"
+    return f"rank {owner}'s shard missing" + (" (interrupted save)" if newest is not None and it > newest else "")
+
+
+def _local_iterations(report: VerifyReport, checked: List[int], copies: List[LocalFile],
+                      prints: Dict[str, _CopyPrint], dirty: Sequence[str]) -> None:
+    """Per checked local iteration: are all shards there with a copy that verifies (complete), do
+    all copies of each shard agree and do all shards come from one save (consistent)? Adds
+    ``copies_differ`` / ``mixed_saves`` / ``missing_owner`` / ``missing_copy`` problems and
+    ``incomplete_iteration`` warnings, and sets ``report.local_iterations`` and
+    ``report.newest_complete_iteration`` (see :mod:`megatron.integrity.report`).
+
+    A missing shard is a problem unless another checked iteration is complete and consistent
+    (then the loader can use that one: the missing shard is the trace of an interrupted save, a
+    warning); too few copies of a shard (``--replication-factor``) are a problem in an iteration
+    that is otherwise complete."""
+    results = {f.file: f for f in report.files if f.role in ("primary", "replica")}
+    bad = {p.file for p in report.problems if p.kind in _UNUSABLE_KINDS and p.file}
+    dirty_of: Dict[Tuple[int, int], List[str]] = {}
+    for rel in dirty:
+        parsed = parse_local_name(Path(rel).name)
+        if parsed is not None:
+            dirty_of.setdefault((parsed[0], parsed[1]), []).append(rel)
+    by_it: Dict[int, Dict[int, List[LocalFile]]] = {}
+    for f in copies:
+        by_it.setdefault(f.iteration, {}).setdefault(f.owner_rank, []).append(f)
+    top_owner = max(f.owner_rank for f in copies)
+
+    facts = []
+    for it in checked:
+        shards = by_it.get(it, {})
+        files = [f for fs in shards.values() for f in fs]
+        world = max((results[f.rel].world_size or 0 for f in files if f.rel in results), default=0)
+        factor = max((results[f.rel].replication_factor or 1 for f in files if f.rel in results), default=1)
+        n_owners = max(world, max(shards, default=-1) + 1) if world else top_owner + 1
+        saves: Dict[Any, int] = {}
+        for f in files:
+            sv = _save_of(prints.get(f.rel))
+            if sv is not None:
+                saves[sv] = saves.get(sv, 0) + 1
+        common_save = _strict_majority(saves)
+        reasons: List[Any] = []  # str, or ("missing", owner): worded once the newest complete one is known
+        rows, missing, few, shard_saves = [], [], [], {}
+        for owner in range(n_owners):
+            fs = sorted(shards.get(owner, []), key=lambda f: (f.role != "primary", f.holder_rank, f.rel))
+            loaded = [f for f in fs if f.rel in prints and prints[f.rel].loaded]
+            usable = [f for f in loaded if f.rel in results and f.rel not in bad]
+            row = {"owner_rank": owner, "copies": sorted(f.rel for f in fs), "usable": sorted(f.rel for f in usable),
+                   "consistent": True}
+            rows.append(row)
+            if not fs:
+                missing.append(owner)
+                reasons.append(("missing", owner))
+                continue
+            if not usable:
+                reasons.append(f"rank {owner}'s shard: no copy verifies ({', '.join(row['copies'])})")
+            if len(fs) < factor:
+                few.append((owner, fs))
+            ref = loaded[0] if loaded else None
+            sig: Dict[str, Any] = {}  # with more than 2 copies: which ones agree (majority -> suspect)
+            for other in loaded[1:]:
+                differing, total = _compare_copies(prints[ref.rel], prints[other.rel])
+                fields = _identity_differences(prints[ref.rel].identity, prints[other.rel].identity)
+                if not differing and not fields:
+                    continue
+                row["consistent"] = False
+                suspect, why = None, None
+                sa, sb = _save_of(prints[ref.rel]), _save_of(prints[other.rel])
+                if common_save is not None and sa != sb and common_save in (sa, sb):
+                    suspect = ref if sb == common_save else other
+                    why = f"its run id / save token differ from the other files of iteration {it}"
+                elif len(loaded) > 2:
+                    if not sig:
+                        sig = {f.rel: _signature(prints[f.rel]) for f in loaded}
+                    sigs: Dict[Any, int] = {}
+                    for v in sig.values():
+                        sigs[v] = sigs.get(v, 0) + 1
+                    best = _strict_majority(sigs)
+                    if best is not None and (sig[ref.rel] == best) != (sig[other.rel] == best):
+                        suspect = other if sig[ref.rel] == best else ref
+                        why = "the other copies agree with each other"
+                msg = (f"rank {owner}'s shard of iteration {it}: {ref.role} {ref.rel} and {other.role} {other.rel} "
+                       + (f"differ in {len(differing)} of {total} tensors" if differing else f"hold the same {total} "
+                          "tensors")
+                       + (f"; identity records differ in {', '.join(fields)}" if fields else ""))
+                if suspect is not None:
+                    msg += f" [suspect: {suspect.role} {suspect.rel}: {why}]"
+                report.problems.append(Problem(
+                    "copies_differ", msg, file=other.rel, holder_rank=other.holder_rank, owner_rank=owner,
+                    role=other.role, iteration=it,
+                    details={"files": [ref.rel, other.rel], "holders": [ref.holder_rank, other.holder_rank],
+                             "differing_tensors": len(differing), "tensors": total,
+                             "first_differing_keys": differing[:5], "identity_fields": fields,
+                             "suspect": suspect.rel if suspect is not None else None}))
+                reasons.append(f"rank {owner}'s shard: {ref.role} {ref.rel} and {other.role} {other.rel} differ")
+            if row["consistent"] and ref is not None and _save_of(prints[ref.rel]) is not None:
+                shard_saves[owner] = _save_of(prints[ref.rel])
+        distinct = sorted(set(shard_saves.values()), key=str)
+        if len(distinct) > 1:
+            groups = "; ".join(
+                f"run {run} save {tok} (rank(s) {[o for o, v in sorted(shard_saves.items()) if v == (run, tok)]})"
+                for run, tok in distinct)
+            report.problems.append(Problem("mixed_saves", f"iteration {it}: its files come from {len(distinct)} saves: "
+                                           f"{groups}; a checkpoint is one save of all ranks", iteration=it,
+                                           details={"saves": [list(d) for d in distinct]}))
+            reasons.append(f"shards from {len(distinct)} saves")
+        complete = not missing and all(r["usable"] for r in rows)
+        consistent = all(r["consistent"] for r in rows) and len(distinct) <= 1
+        facts.append(dict(it=it, n=n_owners, world=world, factor=factor, files=len(files), rows=rows,
+                          reasons=reasons, missing=missing, few=few, complete=complete, consistent=consistent))
+
+    ok = [f["it"] for f in facts if f["complete"] and f["consistent"]]
+    newest = max(ok) if ok else None
+    out = []
+    for f in facts:
+        it = f["it"]
+        reasons = [_missing_text(it, r[1], newest, dirty_of) if isinstance(r, tuple) else r for r in f["reasons"]]
+        copies_text = [(o, f"rank {o}'s shard of iteration {it} has {len(fs)} local cop"
+                           f"{'y' if len(fs) == 1 else 'ies'} (held by ranks {sorted(x.holder_rank for x in fs)}); "
+                           f"the run replicated with --replication-factor {f['factor']}") for o, fs in f["few"]]
+        if f["missing"] and newest is not None:
+            notes = [_missing_text(it, o, newest, dirty_of) for o in f["missing"]]
+            notes += [f"rank {o}'s shard has {len(fs)} of {f['factor']} copies" for o, fs in f["few"]]
+            report.warnings.append(Problem("incomplete_iteration", f"iteration {it}: {'; '.join(notes)}; newest "
+                                           f"complete and consistent local iteration: {newest}", iteration=it,
+                                           details={"missing_owners": f["missing"],
+                                                    "newest_complete_iteration": newest}))
+        else:
+            ran = f"the run had {f['world']} ranks" if f["world"] else f"owner ranks up to {f['n'] - 1} seen"
+            for o in f["missing"]:
+                report.problems.append(Problem("missing_owner", f"no local file holds rank {o}'s shard of iteration "
+                                               f"{it} ({ran})", owner_rank=o, iteration=it))
+            for o, text in copies_text:
+                report.problems.append(Problem("missing_copy", text, owner_rank=o, iteration=it))
+        out.append({"iteration": it, "owners": f["n"], "files": f["files"], "complete": f["complete"],
+                    "consistent": f["consistent"], "reasons": reasons, "shards": f["rows"]})
+    report.local_iterations = out
+    report.newest_complete_iteration = newest
 
 
 def _suspects(report: VerifyReport, regions: Dict[str, Dict[Tuple[tuple, tuple], int]]) -> None:
