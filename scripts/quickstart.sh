@@ -32,6 +32,8 @@ echo "== lose rank 1's local checkpoint directory: $work/local/1"
 rm -rf local/1
 echo "== resume: rank 1 recovers iteration 15 from its replica on rank 0, trains to 20"
 train part2
+echo "== what each rank's start used (validated local tier, docs/local-tier.md)"
+grep '^\[local-tier\] rank [0-9]*: local checkpoint at iteration 15' part2.log || true
 "$py" - <<'PY'
 import json
 rows = [json.loads(l) for l in open("losses.jsonl")]

@@ -11,8 +11,12 @@ replication fix's strategy) with the validated manager, then loads it repeatedly
               cross-check; the replication fix's strategy verifies the checksums of what it reads)
   validated   ``ValidatedLocalCheckpointManager.find_latest()`` + ``load()``: identity, topology,
               save token, cross-check of primaries and replicas, checksums and finiteness of the
-              own primary; ``identity+cross-check`` is the part of it spent on headers of every
-              copy, fingerprints, the agreement and the decision
+              own primary; ``identity+cross-check`` is the work of the checks themselves (headers
+              of every copy, fingerprints, decision), ``all_gather`` the one agreement collective
+              including the wait for the slowest rank (upstream waits in its own collectives)
+
+Both variants call ``load()`` twice, as ``load_checkpoint`` does (arguments, then the state): upstream
+reads the files twice, the validated manager serves the second call from memory.
 
 Configurations: ``quickstart`` is the quick start's model as ``pretrain_gpt.py`` stores it (per
 rank ~0.87 MB in 58 tensors); ``large`` 256 MiB per rank in 256 tensors. Times are the slowest
@@ -83,7 +87,7 @@ def _worker(rank, world, port, args, root, out_q):
         d = os.path.join(root, name)
         lt.ValidatedLocalCheckpointManager(d, repl_strategy=strategy).save(_tasd(rank, world, count, nbytes), 1)
         dist.barrier()
-        times = {"upstream": [], "validated": [], "identity+cross-check": []}
+        times = {"upstream": [], "validated": [], "identity+cross-check": [], "all_gather (incl. wait)": []}
         for _ in range(args.reps):
             for variant in ("upstream", "validated"):
                 cls = LocalCheckpointManager if variant == "upstream" else lt.ValidatedLocalCheckpointManager
@@ -92,14 +96,15 @@ def _worker(rank, world, port, args, root, out_q):
                 t0 = time.perf_counter()
                 assert m.find_latest() == 1
                 sd, _ = m.load()
-                if variant == "validated":
-                    m.load()  # upstream's second read (served from memory)
+                m.load()  # load_checkpoint reads twice (arguments, then state); validated: from memory
                 dt = time.perf_counter() - t0
                 slow = [0.0] * world
-                dist.all_gather_object(slow, (dt, getattr(m, "timings", {}).get("identity", 0.0)))
+                tm = getattr(m, "timings", {})
+                dist.all_gather_object(slow, (dt, tm.get("identity", 0.0), tm.get("agree", 0.0)))
                 times[variant].append(max(s[0] for s in slow) * 1e3)
                 if variant == "validated":
                     times["identity+cross-check"].append(max(s[1] for s in slow) * 1e3)
+                    times["all_gather (incl. wait)"].append(max(s[2] for s in slow) * 1e3)
                 del sd
         results[name] = times
     if rank == 0:

@@ -21,12 +21,15 @@ Record (attribute :data:`IDENTITY_ATTR` of the saved ``TensorAwareStateDict``, b
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import socket
 import time
 import uuid
+import zipfile
 from typing import Any, List, Mapping, Optional, Tuple
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "identity_problems",
     "make_identity",
     "parse_local_name",
+    "read_header",
     "run_identity",
     "run_token",
     "run_settings",
@@ -246,3 +250,38 @@ def parse_local_name(name: str) -> Optional[Tuple[int, int, bool]]:
     """``(iteration, owner_rank, dirty)`` of a local checkpoint file name, ``None`` otherwise."""
     m = LOCAL_FILE_RE.fullmatch(name)
     return None if m is None else (int(m.group(1)), int(m.group(2)), m.group(3) is not None)
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.save`` archive's ``data.pkl`` without creating any tensor: storages
+    and tensor rebuilds become ``None``; every other object (the state dict, its metadata and the
+    records) is restored as usual."""
+
+    def find_class(self, module, name):
+        if module.startswith("torch") and name.startswith("_rebuild"):
+            return _no_tensor
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        return None
+
+
+def _no_tensor(*args, **kwargs):
+    return None
+
+
+def read_header(path: str | os.PathLike) -> Any:
+    """The object a local checkpoint file holds, with every tensor replaced by ``None``: reads
+    only the archive's directory and its pickle (no tensor data), so its records
+    (:data:`IDENTITY_ATTR`, the checksum record, ...) cost a few milliseconds whatever the size.
+
+    Raises:
+        OSError, zipfile.BadZipFile, pickle.UnpicklingError, ...: the file is missing, truncated
+            or not a ``torch.save`` zip archive (callers treat any exception as unreadable).
+    """
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if not names:
+            raise ValueError(f"{path}: no data.pkl in the archive (not a torch.save file)")
+        with z.open(names[0]) as f:
+            return _HeaderUnpickler(io.BytesIO(f.read())).load()

@@ -326,12 +326,16 @@ def _strategy_verifies(strategy: Any) -> bool:
 
 
 def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str], str]:
-    """Checksums (optional) and finiteness of one loaded state dict; (errors, summary)."""
+    """Checksums (optional) and finiteness of one loaded state dict, in one pass over each host
+    tensor's bytes (:func:`megatron.integrity.verify.fused_scan`); (errors, summary)."""
+    from megatron.integrity.verify import fused_scan
+
     st = _STATE
     errors: List[str] = []
     tensors = list(state_dict.tensors)
     keys = [k for k, _ in _tensor_keys(state_dict, len(tensors))]
     done = []
+    entries = None
     if check_checksums:
         try:
             record = ck.get_record(state_dict)
@@ -339,31 +343,57 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
             record = None
             errors.append(f"{what}: {e}")
         if record is not None:
-            mismatches = ck.verify_record(record, tensors)
-            errors += [f"ChecksumMismatchError: {what}: {m}" for m in mismatches[:3]]
-            if len(mismatches) > 3:
-                errors.append(f"{what}: ... {len(mismatches) - 3} more checksum mismatches")
-            done.append(f"{len(tensors)} checksums")
+            entries = record["entries"]
+            if len(entries) != len(tensors):
+                errors.append(f"ChecksumMismatchError: {what}: {len(tensors)} tensors, the record "
+                              f"lists {len(entries)}")
+                entries = None
+            else:
+                done.append(f"{len(tensors)} checksums")
         elif not errors and st is not None and not st.warned_unverified:
             st.warned_unverified = True
             logger.warning("%s has no checksum record (written without checksums): checksums not "
                            "verified", what)
     else:
         done.append("checksums verified in transit")
+    flags = None
     finite = getattr(state_dict, FINITE_ATTR, None)
     if isinstance(finite, dict) and finite.get("format") == FINITE_FORMAT:
         flags = finite.get("finite") or []
         if len(flags) != len(tensors):
             errors.append(f"{what}: finiteness record lists {len(flags)} tensors, the state dict "
                           f"has {len(tensors)}")
+            flags = None
+    mismatches, bad, slow_finite = [], [], []
+    for i, t in enumerate(tensors):
+        want_sum, want_fin = entries is not None, flags is not None and flags[i] is True
+        if not (want_sum or want_fin):
+            continue
+        plain = (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                 and t.is_contiguous())
+        if plain:
+            csum, _, nonfinite = fused_scan(t.detach(), None, want_sum, want_fin)
+            if want_fin and nonfinite:
+                bad.append(keys[i])
         else:
-            idx = [i for i, f in enumerate(flags) if f is True]
-            now = _finite_flags([tensors[i] for i in idx])
-            bad = [keys[i] for i, ok in zip(idx, now) if ok is False]
-            if bad:
-                errors.append(f"{what}: {len(bad)} tensor(s) hold NaN/Inf where the primary (rank "
-                              f"{finite.get('owner_rank')}) saved finite values: {bad[:3]}")
-            done.append(f"{len(idx)} tensors finite")
+            csum = None
+            if want_fin:
+                slow_finite.append(i)
+        if want_sum:
+            m = ck.verify_tensor(entries[i], t, checksum=csum)
+            if m is not None:
+                mismatches.append(m)
+    if slow_finite:
+        bad += [keys[i] for i, ok in zip(slow_finite, _finite_flags([tensors[i] for i in slow_finite]))
+                if ok is False]
+    errors += [f"ChecksumMismatchError: {what}: {m}" for m in mismatches[:3]]
+    if len(mismatches) > 3:
+        errors.append(f"{what}: ... {len(mismatches) - 3} more checksum mismatches")
+    if flags is not None:
+        if bad:
+            errors.append(f"{what}: {len(bad)} tensor(s) hold NaN/Inf where the primary (rank "
+                          f"{finite.get('owner_rank')}) saved finite values: {bad[:3]}")
+        done.append(f"{sum(1 for f in flags if f is True)} tensors finite")
     return errors, ", ".join(done) or "nothing to verify"
 
 
@@ -495,6 +525,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         self._identity: Optional[tuple] = None
         self._saved = False
         self._loads_served = 0
+        self.timings: dict[str, float] = {}  # seconds of the start: total, headers, own_primary, agree, repair, identity
 
     # -------------------------------------------------------------------- pickling (async save)
 
@@ -633,7 +664,10 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             c = _Copy(it, owner, me, None)
             copies.append(c)
             try:
-                header = torch.load(path, mmap=True, weights_only=False)
+                try:
+                    header = local_identity.read_header(path)
+                except Exception:  # noqa: BLE001 - let torch tell what is wrong with the file
+                    header = torch.load(path, mmap=True, weights_only=False)
                 rec = local_identity.get_identity(header)
             except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
                 c.problem = f"unreadable: {_exc_text(e)}"
@@ -654,11 +688,14 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         """Load this rank's primary ``c`` as upstream does and check it against its checksums and
         finiteness record; sets ``c.problem`` or stores it in ``loaded``."""
         cid = self._ckpt_id(c.iteration)
+        t0 = time.perf_counter()
         try:
-            sd = self._load_fn(cid)
+            sd = self._load(cid)  # host tensors as stored: verified before they go to the device
             errors, summary = _verify(sd, f"rank {c.holder}'s primary", check_checksums=True)
+            sd.restore_tensor_device(non_blocking=False)
         except Exception as e:  # noqa: BLE001
             errors, summary = [f"unreadable: {_exc_text(e)}"], ""
+        self.timings["own_primary"] = self.timings.get("own_primary", 0.0) + time.perf_counter() - t0
         c.bytes_verified = True
         if errors:
             c.problem = _short("; ".join(errors), 400)
@@ -679,7 +716,10 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         mine = _Report(me, socket.gethostname(), identity, uuid.uuid4().hex,
                        read_marker(self.local_ckpt_dir), _persistent_iteration(load_dir),
                        copies, leftovers)
+        t_gather = time.perf_counter()
+        self.timings["headers"] = t_gather - t0 - self.timings.get("own_primary", 0.0)
         reports: List[_Report] = _gather(mine)
+        self.timings["agree"] = time.perf_counter() - t_gather
         self._generation, self._identity = reports[0].generation, tuple(reports[0].identity)
         agreed_run = self._identity[0]
         if run_id != agreed_run:
@@ -797,6 +837,13 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
 
     def _repair(self, it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0):
         """Collective: retrieve the shards of the ranks in ``need`` from verified replicas."""
+        t_repair = time.perf_counter()
+        try:
+            return self._repair_attempts(it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0)
+        finally:
+            self.timings["repair"] = time.perf_counter() - t_repair
+
+    def _repair_attempts(self, it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0):
         me = _rank()
         strategy = self.repl_strategy
         my_id = self._ckpt_id(it)
@@ -890,7 +937,13 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         if bad:
             extra.append(f"moved {len(bad)} bad replica(s) to {QUARANTINE_DIR}/: " + "; ".join(
                 f"rank {c.owner}'s shard: {_short(c.problem, 200)}" for c in bad))
-        _say(line + "".join(f"; {n}" for n in extra) + f" [{time.perf_counter() - t0:.2f} s]")
+        tm = self.timings
+        tm["total"] = time.perf_counter() - t0
+        # the checks' own work: headers, decision, quarantine (not the load, the repair, or the
+        # wait in the one all_gather_object, where upstream waits in its own collectives)
+        tm["identity"] = tm["total"] - tm.get("own_primary", 0.0) - tm.get("repair", 0.0) - tm.get("agree", 0.0)
+        logger.info("local tier start: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(tm.items())))
+        _say(line + "".join(f"; {n}" for n in extra) + f" [{tm['total']:.2f} s]")
         return _Resolution(it, sd, cid, line)
 
     def _quarantine(self, keep: Optional[int] = None, bad: Sequence[_Copy] = ()) -> int:

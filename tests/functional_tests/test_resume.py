@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+from tests.functional_tests.test_local_tier_trust import start_lines
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +72,14 @@ def test_local_checkpoint_resume_and_replica_recovery_are_bitwise(tmp_path, stra
                                *LOCAL)
         assert resumed.first_iteration() == 11, f"{name}: did not resume from the local checkpoint"
         assert_bitwise_equal(straight, resumed.losses, RESUMED)
+        lines = start_lines(resumed.output)  # one line per rank, printed once
+        assert sorted(lines) == [0, 1] and all(len(v) == 1 for v in lines.values()), lines
+        assert "iteration 10 verified on all ranks: own primary" in lines[0][0], lines
+        if lose_rank is None:
+            assert "iteration 10: own primary verified" in lines[1][0], lines
+        else:
+            assert "iteration 10: repaired from rank 0's replica on host" in lines[1][0], lines
+            assert "own primary: missing" in lines[1][0] and "finite" in lines[1][0], lines
 
 
 def test_distributed_optimizer_resume_is_bitwise(tmp_path, straight_distopt):
