@@ -243,6 +243,17 @@ def _scenarios(rank, world, root):
             os.makedirs(os.path.join(k_root, str(rank)), exist_ok=True)
             with open(os.path.join(k_root, str(rank), f"iter_0000003_{owner}_local.dirty.pt"), "wb") as fh:
                 fh.write(b"partial")
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
+            SameMachineReplicationException,
+        )
+        from nvidia_resiliency_ext.checkpointing.local.replication import strategies
+
+        upstream = lt.LocalCheckpointManager(  # guard: NVRx's own class fails on the leftover
+            k_root, repl_strategy=strategies.CliqueReplicationStrategy.from_replication_params(1, WORLD))
+        assert upstream.__class__.__module__.startswith("nvidia_resiliency_ext")
+        with pytest.raises(SameMachineReplicationException, match="already exists"):
+            upstream.save(_tasd(rank, _tensors(rank)), 3)
+        dist.barrier()
         _save(k_root, rank, replicated=True, iteration=3)
         assert sorted(os.listdir(os.path.join(k_root, str(rank)))) == [
             "iter_0000003_0_local.pt", "iter_0000003_1_local.pt"], "K"
