@@ -24,14 +24,46 @@ no-op otherwise); never set them in production.
     local tier whose values pass every check but make training diverge.
 
 Both wrap ``megatron.training.training.train_step`` (outside :mod:`local_tier`'s wrapper).
+
+``MEGATRON_TEST_KILL_IN_LOCAL_SAVE="rank=R,iteration=K,moment=M[,fraction=F][,once=PATH]"``
+    Global rank ``R`` kills itself with ``SIGKILL`` (like ``kill -9``: no handler, no flush, no
+    ``finally``) during its local (non-persistent, NVRx ``LocalCheckpointManager``) save of
+    iteration ``K``, at moment ``M``:
+
+    * ``replicate``: at the start of ``save()``, before the replication exchange and before any
+      file of ``K`` is written (the other ranks of its clique wait for it in the exchange);
+    * ``write``: while the first file this rank writes for ``K`` (a ``*.dirty.pt``, its own shard
+      or a replica, whichever ``_save`` gets first) is being written: the file holds exactly the
+      first ``int(F * size)`` bytes (at least 1, at most ``size - 1``) of what ``torch.save``
+      would have written, then the process dies. ``fraction=F``, 0 < F < 1, default 0.5; only
+      valid with ``moment=write``. The state dict is serialized to memory first (to know its
+      size), then that prefix goes through the file object (or path) ``torch.save`` was given;
+    * ``rename``: right after this rank's first ``*.dirty.pt -> *.pt`` rename of ``K`` (``os.rename``
+      / ``os.replace``, which ``Path.rename`` / ``Path.replace`` use): with replication some files
+      of ``K`` are final, the others missing or dirty. Should ``_save`` rename in another way, the
+      kill happens when that first ``_save`` returns (the ``[fault-injection]`` line says so);
+    * ``cleanup``: at the start of ``_cleanup(K)``: every file of ``K`` is complete on every rank
+      (upstream calls it after ``find_latest`` saw ``K`` everywhere), older ones not yet removed.
+
+    ``once=PATH``: as for ``MEGATRON_TEST_FAULT`` (fires only if ``PATH`` does not exist, and
+    creates it before killing).
+
+    Hook: whatever class ``nvidia_resiliency_ext...local_manager.LocalCheckpointManager`` is at
+    the moment of install (NVRx's own, or a subclass the local tier put there) is subclassed once
+    more and the subclass replaces it in that module (``pretrain()`` imports the class by name when
+    it builds the manager); methods ``save``, ``_save``, ``_cleanup``. ``write`` and ``rename`` act in
+    the process that runs ``_save``: the training process for synchronous local saves (without
+    ``--async-save``, or with an async worker forked after install).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import io
 import os
 import shutil
+import signal
 import struct
 import sys
 import zipfile
@@ -42,6 +74,10 @@ from megatron.training_ext.console import write_line
 
 ENV_FAULT = "MEGATRON_TEST_FAULT"
 ENV_NAN = "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"
+ENV_KILL_LOCAL_SAVE = "MEGATRON_TEST_KILL_IN_LOCAL_SAVE"
+#: Moments of a local save at which ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` can kill, in save order.
+LOCAL_SAVE_MOMENTS = ("replicate", "write", "rename", "cleanup")
+DEFAULT_WRITE_FRACTION = 0.5
 
 _installed: dict = {}
 
@@ -71,6 +107,67 @@ def parse_fault(spec: str) -> dict:
             raise ValueError(f"{ENV_FAULT}: unknown key '{key}' (rank, iteration, wipe_local, corrupt, once)")
     if "rank" not in out or "iteration" not in out:
         raise ValueError(f"{ENV_FAULT}: rank= and iteration= are required, got '{spec}'")
+    return out
+
+
+def parse_local_save_kill(spec: str) -> dict:
+    """Parse ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``.
+
+    Returns:
+        dict with int ``rank``, ``iteration``, str ``moment`` (one of :data:`LOCAL_SAVE_MOMENTS`),
+        float ``fraction`` (``moment=write``: given or :data:`DEFAULT_WRITE_FRACTION`; else
+        ``None``), optional str ``once``.
+
+    Raises:
+        ValueError: a part that is not key=value, an unknown or repeated key, missing ``rank``,
+            ``iteration`` or ``moment``, a non-integer rank/iteration (or a negative one), an unknown
+            moment, a fraction that is not a number strictly between 0 and 1, or a fraction with a
+            moment other than ``write``.
+    """
+    name = ENV_KILL_LOCAL_SAVE
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            raise ValueError(f"{name}: '{part}' is not key=value")
+        if key not in ("rank", "iteration", "moment", "fraction", "once"):
+            raise ValueError(f"{name}: unknown key '{key}' (rank, iteration, moment, fraction, once)")
+        if key in out:
+            raise ValueError(f"{name}: '{key}' given twice in '{spec}'")
+        if key in ("rank", "iteration"):
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{name}: {key}={value!r} is not an integer") from None
+            if out[key] < 0:
+                raise ValueError(f"{name}: {key}={value} must be >= 0")
+        elif key == "moment":
+            if value not in LOCAL_SAVE_MOMENTS:
+                raise ValueError(f"{name}: unknown moment '{value}' (one of {', '.join(LOCAL_SAVE_MOMENTS)})")
+            out[key] = value
+        elif key == "fraction":
+            try:
+                fraction = float(value)
+            except ValueError:
+                raise ValueError(f"{name}: fraction={value!r} is not a number") from None
+            if not 0.0 < fraction < 1.0:  # also rejects nan
+                raise ValueError(f"{name}: fraction={value} must be strictly between 0 and 1")
+            out[key] = fraction
+        else:
+            if not value:
+                raise ValueError(f"{name}: once= needs a path")
+            out[key] = value
+    missing = [k for k in ("rank", "iteration", "moment") if k not in out]
+    if missing:
+        raise ValueError(f"{name}: {', '.join(k + '=' for k in missing)} required, got '{spec}'")
+    if "fraction" in out and out["moment"] != "write":
+        raise ValueError(f"{name}: fraction= applies only to moment=write (got moment={out['moment']})")
+    if out["moment"] == "write":
+        out.setdefault("fraction", DEFAULT_WRITE_FRACTION)
+    else:
+        out["fraction"] = None
+    out.setdefault("once", None)
     return out
 
 
@@ -105,19 +202,38 @@ def _say(message: str) -> None:
 
 
 def install_from_env(args) -> None:
-    """Wrap ``train_step`` if one of the variables is set; idempotent; no-op otherwise.
+    """Install the hooks whose variables are set; idempotent; no-op when none is set.
 
     Raises:
-        ValueError: ``MEGATRON_TEST_FAULT`` or ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD`` is malformed
-            (every rank, before training).
+        ValueError: ``MEGATRON_TEST_FAULT``, ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD`` or
+            ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` is malformed (every rank, before training; nothing
+            is installed then).
     """
     fault_spec, nan_spec = os.environ.get(ENV_FAULT), os.environ.get(ENV_NAN)
-    if not fault_spec and not nan_spec:
-        return
-    if _installed:
-        return
+    kill_spec = os.environ.get(ENV_KILL_LOCAL_SAVE)
     fault = parse_fault(fault_spec) if fault_spec else None
     nan_at: Optional[int] = int(nan_spec) if nan_spec else None
+    kill = parse_local_save_kill(kill_spec) if kill_spec else None
+    if (fault is not None or nan_at is not None) and "train_step" not in _installed:
+        _install_train_step(args, fault, nan_at)
+    if kill is not None and "local_manager" not in _installed:
+        install_local_save_kill(kill)
+
+
+def uninstall() -> None:
+    """Undo every installed hook (tests)."""
+    if "train_step" in _installed:
+        import megatron.training.training as training
+
+        training.train_step = _installed.pop("train_step")
+    if "local_manager" in _installed:
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
+
+        local_manager.LocalCheckpointManager = _installed.pop("local_manager")
+    _kill_state.clear()
+
+
+def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> None:
     local_root = getattr(args, "non_persistent_local_ckpt_dir", None)
 
     import torch
@@ -160,4 +276,145 @@ def install_from_env(args) -> None:
         return upstream(*a, **kw)
 
     training.train_step = train_step
-    _installed.update(upstream=upstream)
+    _installed["train_step"] = upstream
+
+
+# ---------------------------------------------------------------------------------------------
+# MEGATRON_TEST_KILL_IN_LOCAL_SAVE
+# ---------------------------------------------------------------------------------------------
+
+#: Per-process state of the local-save kill: ``files`` = ``_save`` calls seen for the target.
+_kill_state: dict = {}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _sigkill(message: str) -> None:
+    """One ``[fault-injection]`` line, then ``SIGKILL`` to this process (never returns)."""
+    _say(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # pragma: no cover - SIGKILL is delivered before this matters
+        signal.pause()
+
+
+def _claim(kill: dict) -> bool:
+    """True if the kill may fire now (``once`` absent; then creates it), else False."""
+    once = kill["once"]
+    if once and os.path.exists(once):
+        return False
+    if once:
+        Path(once).touch()
+    return True
+
+
+def _is_dirty_target(f) -> Optional[str]:
+    """The path of ``f`` (a path or a file object with ``name``) if it is a ``.dirty`` file."""
+    name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+    if isinstance(name, (str, os.PathLike)) and ".dirty" in Path(name).name:
+        return os.fspath(name)
+    return None
+
+
+def install_local_save_kill(kill: dict) -> type:
+    """Replace ``local_manager.LocalCheckpointManager`` (whatever class it is now) by a subclass
+    that kills rank ``kill['rank']`` at ``kill['moment']`` of its local save of
+    ``kill['iteration']`` (see the module docstring). Returns the new class."""
+    import torch
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
+
+    base = local_manager.LocalCheckpointManager
+    rank_k, iter_k, moment = kill["rank"], kill["iteration"], kill["moment"]
+    where = f"during its local save of iteration {iter_k}"
+    _kill_state.clear()
+    _kill_state["files"] = 0
+
+    def target(iteration) -> bool:
+        return iteration == iter_k and _rank() == rank_k
+
+    class FaultInjectingLocalCheckpointManager(base):
+        """Test-only (:mod:`megatron.training_ext.fault_injection`): ``SIGKILL`` at a moment of
+        one local save."""
+
+        def save(self, state_dict, iteration, *a, **kw):
+            if moment == "replicate" and target(iteration) and _claim(kill):
+                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment replicate: start of save(), "
+                         f"before replication and before any file)")
+            return super().save(state_dict, iteration, *a, **kw)
+
+        def _save(self, state_dict, ckpt_id, *a, **kw):
+            first = False
+            if moment in ("write", "rename") and target(ckpt_id[0]):
+                _kill_state["files"] += 1
+                first = _kill_state["files"] == 1
+            if not (first and _claim(kill)):
+                return super()._save(state_dict, ckpt_id, *a, **kw)
+            if moment == "write":
+                return self._save_killed_mid_write(state_dict, ckpt_id, *a, **kw)
+            return self._save_killed_after_rename(state_dict, ckpt_id, *a, **kw)
+
+        def _save_killed_mid_write(self, state_dict, ckpt_id, *a, **kw):
+            upstream_save = torch.save
+
+            def partial_save(obj, f, *sa, **skw):
+                path = _is_dirty_target(f)
+                if path is None:
+                    return upstream_save(obj, f, *sa, **skw)
+                buf = io.BytesIO()
+                upstream_save(obj, buf, *sa, **skw)
+                data = buf.getvalue()
+                n = min(max(int(kill["fraction"] * len(data)), 1), len(data) - 1)
+                if isinstance(f, (str, os.PathLike)):
+                    with open(f, "wb") as out:
+                        out.write(data[:n])
+                else:
+                    f.write(data[:n])
+                    f.flush()
+                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: {n} of {len(data)} bytes "
+                         f"(fraction {kill['fraction']}) of {path} written)")
+
+            torch.save = partial_save
+            try:
+                result = super()._save(state_dict, ckpt_id, *a, **kw)
+            finally:
+                torch.save = upstream_save
+            _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: _save of {ckpt_id} wrote no "
+                     f".dirty file through torch.save; killed after it returned)")
+            return result  # pragma: no cover
+
+        def _save_killed_after_rename(self, state_dict, ckpt_id, *a, **kw):
+            originals = {"rename": os.rename, "replace": os.replace}
+
+            def after(name):
+                def renamed(src, dst, *ra, **rkw):
+                    result = originals[name](src, dst, *ra, **rkw)
+                    if ".dirty" in Path(src).name and ".dirty" not in Path(dst).name:
+                        _sigkill(f"rank {_rank()}: SIGKILL {where} (moment rename: right after "
+                                 f"{os.fspath(src)} -> {os.fspath(dst)})")
+                    return result
+                return renamed
+
+            os.rename, os.replace = after("rename"), after("replace")
+            try:
+                result = super()._save(state_dict, ckpt_id, *a, **kw)
+            finally:
+                os.rename, os.replace = originals["rename"], originals["replace"]
+            _sigkill(f"rank {_rank()}: SIGKILL {where} (moment rename: _save of {ckpt_id} made no "
+                     f".dirty -> final rename; killed after it returned)")
+            return result  # pragma: no cover
+
+        def _cleanup(self, iteration, *a, **kw):
+            if moment == "cleanup" and target(iteration) and _claim(kill):
+                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment cleanup: start of "
+                         f"_cleanup({iteration}), older local checkpoints not removed yet)")
+            return super()._cleanup(iteration, *a, **kw)
+
+    FaultInjectingLocalCheckpointManager.__qualname__ = f"FaultInjecting[{base.__qualname__}]"
+    local_manager.LocalCheckpointManager = FaultInjectingLocalCheckpointManager
+    _installed["local_manager"] = base
+    return FaultInjectingLocalCheckpointManager

@@ -7,8 +7,10 @@ commands run on the GPU(s) without ``--cpu``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +102,216 @@ def assert_bitwise_equal(reference: dict[int, dict], other: dict[int, dict], ite
     diffs = [(i, k, reference[i][k], other[i][k]) for i in iterations for k in keys
              if reference[i].get(k) != other[i].get(k)]
     assert not diffs, "not bitwise equal (iteration, key, reference, resumed):\n" + "\n".join(map(str, diffs))
+
+
+#: Environment variable that tags every process of one launch (agent, workers, whatever they spawn):
+#: a rank that dies by ``SIGKILL`` or ``os._exit`` leaves its children running (torchrun signals
+#: only the process groups of workers that are still alive), e.g. the ``multiprocessing`` manager
+#: megatron-core's ``torch_dist`` writer spawns at the first persistent save, which then holds the
+#: launcher's stdout open. :func:`kill_tagged` finds and ends them by this tag.
+TAG_ENV = "MEGATRON_TEST_LAUNCH_TAG"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Processes (other than this one) whose environment holds ``TAG_ENV=tag``."""
+    needle = f"\0{TAG_ENV}={tag}\0".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours
+            continue
+        if needle in b"\0" + environ + b"\0":
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_tagged(tag: str) -> list[str]:
+    """``SIGKILL`` every process tagged ``tag`` (until none is left); returns ``"pid: cmdline"`` of
+    each one killed."""
+    killed: dict[int, str] = {}
+    for _ in range(10):
+        pids = [p for p in tagged_pids(tag) if p not in killed]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                os.kill(pid, signal.SIGKILL)
+                killed[pid] = f"{pid}: {cmdline.strip()[:200]}"
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                pass
+        time.sleep(0.2)
+    return list(killed.values())
+
+
+def pretrain_command(args, nproc: int = 2, mock: bool = True, env: dict | None = None,
+                     launcher: list[str] | None = None, log: Path | None = None) -> list[str]:
+    """The command :func:`run_pretrain` runs (``launcher`` defaults to ``python -m
+    torch.distributed.run --nproc-per-node N --master-port <free>``), ``--loss-log log`` last."""
+    cmd = list(launcher) if launcher is not None else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}"]
+    cmd.append(str(ENTRY))
+    if device(env) == "cpu":
+        cmd.append("--cpu")
+    else:
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            cmd += ["--transformer-impl", "local"]
+    cmd += TINY_GPT + (["--mock-data"] if mock else []) + list(args)
+    if log is not None:
+        cmd += ["--loss-log", str(log)]
+    return cmd
+
+
+def _launch_env(env: dict | None, tag: str) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+            "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {}), TAG_ENV: tag}
+
+
+@dataclass
+class ReapedRun(Run):
+    #: ``"pid: cmdline"`` of the processes of this launch still alive after the launcher exited
+    #: (killed by :func:`run_pretrain_reaped`).
+    leftovers: list[str]
+
+
+def run_pretrain_reaped(workdir: Path, *args: str, nproc: int = 2, mock: bool = True,
+                        loss_file: str = "losses.jsonl", timeout: float = 600, env: dict | None = None,
+                        check: bool = True) -> ReapedRun:
+    """:func:`run_pretrain` for runs in which a rank may be killed: output goes to a file
+    (``<loss_file stem>.out`` in ``workdir``) and the call returns when ``torchrun`` exits, then
+    ends whatever the run left running (see :data:`TAG_ENV`); they are listed in ``leftovers``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / loss_file
+    if log.exists():
+        log.unlink()
+    out_path = workdir / (Path(loss_file).stem + ".out")
+    tag = f"{os.getpid()}-{time.time_ns()}"
+    cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log)
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=_launch_env(env, tag), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        returncode = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tagged(tag)
+        proc.wait()
+        raise AssertionError(f"pretrain_gpt.py did not finish within {timeout:.0f} s:\n"
+                             f"{out_path.read_text(errors='replace')[-6000:]}") from None
+    leftovers = kill_tagged(tag)
+    output = out_path.read_text(errors="replace")
+    losses = loss_log.read(str(log)) if log.exists() else {}
+    result = ReapedRun(returncode, output, losses, leftovers)
+    if check:
+        assert returncode == 0, f"pretrain_gpt.py failed ({returncode}):\n{output[-6000:]}"
+    return result
+
+
+def local_files(root: Path) -> dict[int, list[str]]:
+    """The files of a ``--non-persistent-local-ckpt-dir`` by holder: ``{rank: sorted file names}``
+    of its ``<rank>/`` subdirectories (other entries, e.g. ``rejected/``, are left out)."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    return {int(d.name): sorted(p.name for p in d.iterdir() if p.is_file())
+            for d in sorted(root.iterdir(), key=lambda d: d.name) if d.is_dir() and d.name.isdigit()}
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.5) -> None:
+    """Poll ``predicate()`` until it is true; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Node:
+    """One launcher agent (``torchrun`` or ``ft_launcher``) started by :func:`start_node`, and
+    every process under it (tagged, :data:`TAG_ENV`)."""
+
+    proc: subprocess.Popen
+    log: Path
+    tag: str
+
+    def output(self) -> str:
+        """Everything the agent and its workers printed so far (stdout and stderr)."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> int:
+        """The agent's exit code; on timeout the whole node is killed and AssertionError raised
+        with the output tail."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            raise AssertionError(f"agent {' '.join(map(str, self.proc.args[:2]))} did not exit within "
+                                 f"{timeout:.0f} s:\n{self.output()[-6000:]}") from None
+
+    def kill_tree(self) -> list[str]:
+        """``SIGKILL`` to the agent and every process of this node (workers run in sessions of
+        their own, so a process group is not enough): a node lost at once. Returns what it killed
+        (``"pid: cmdline"``); no-op for processes already gone. Reaps the agent."""
+        killed = kill_tagged(self.tag)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        return killed
+
+
+def start_node(workdir: Path, node_rank: int, nnodes: int, rdzv_endpoint: str, rdzv_id: str,
+               args: list[str], *, output: Path, loss_file: Path, nproc: int = 1, mock: bool = True,
+               env: dict | None = None, launcher: list[str] | None = None,
+               launcher_args: list[str] = (), script_args: list[str] = ()) -> Node:
+    """Start one node of a multi-node job on this machine, without waiting: ``LAUNCHER --nnodes N
+    --nproc-per-node P --node-rank R --rdzv-backend c10d --rdzv-endpoint E --rdzv-id I
+    --local-addr 127.0.0.<R+1> --rdzv-conf is_host=<R==0> LAUNCHER_ARGS pretrain_gpt.py [--cpu]
+    TINY_GPT ARGS SCRIPT_ARGS --loss-log LOSS_FILE`` in ``workdir``, output to ``output``.
+
+    ``launcher`` defaults to ``python -m torch.distributed.run`` (torchrun). The c10d rendezvous
+    orders nodes by address, so ``--local-addr 127.0.0.<R+1>`` (loopback, all of 127/8) makes
+    node R hold global ranks ``R*P .. R*P+P-1``; node 0 hosts the rendezvous store.
+    ``OMP_NUM_THREADS`` defaults to 1, as torchrun sets it for several workers per node. The agent runs
+    in a session of its own (``start_new_session``) and every process of the node carries a tag
+    (:data:`TAG_ENV`), so :meth:`Node.kill_tree` takes down exactly one node.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = list(launcher or [sys.executable, "-m", "torch.distributed.run"])
+    cmd += [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
+            f"--local-addr=127.0.0.{node_rank + 1}", f"--rdzv-conf=is_host={int(node_rank == 0)}",
+            *launcher_args]
+    cmd = pretrain_command([*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file)
+    tag = f"{os.getpid()}-{time.time_ns()}-node{node_rank}"
+    full_env = _launch_env(env, tag)
+    # torchrun sets OMP_NUM_THREADS=1 only with --nproc-per-node > 1: with one worker per node it
+    # would use every core, and its multithreaded reductions (the grad norm) differ in the last bit
+    # from a run with one thread per rank
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    with open(output, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return Node(proc, Path(output), tag)
+
+
+def start_lines(output: str) -> dict[int, list[str]]:
+    """rank -> the ``[local-tier]`` lines that rank printed about what its start used."""
+    out: dict[int, list[str]] = {}
+    for ln in output.splitlines():
+        if ln.startswith("[local-tier] rank ") and ("local checkpoint at iteration" in ln
+                                                   or "tier rejected" in ln or "no local checkpoint" in ln):
+            if "is complete on all ranks" in ln:
+                continue
+            rank = int(ln.split()[2].rstrip(":"))
+            out.setdefault(rank, []).append(ln)
+    return out

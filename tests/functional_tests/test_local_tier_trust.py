@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training_ext.fault_injection import flip_byte_in_largest_storage
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain, start_lines
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +33,6 @@ def tiers(work: Path) -> list[str]:
 
 def primary(work: Path, rank: int, iteration: int = 12) -> Path:
     return work / "local" / str(rank) / f"iter_{iteration:07d}_{rank}_local.pt"
-
-
-def start_lines(output: str) -> dict[int, list[str]]:
-    """rank -> the ``[local-tier]`` lines that rank printed about what its start used."""
-    out: dict[int, list[str]] = {}
-    for ln in output.splitlines():
-        if ln.startswith("[local-tier] rank ") and ("local checkpoint at iteration" in ln
-                                                   or "tier rejected" in ln or "no local checkpoint" in ln):
-            if "is complete on all ranks" in ln:
-                continue
-            rank = int(ln.split()[2].rstrip(":"))
-            out.setdefault(rank, []).append(ln)
-    return out
 
 
 @pytest.fixture(scope="module")

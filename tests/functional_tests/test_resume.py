@@ -10,8 +10,7 @@ import shutil
 
 import pytest
 
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
-from tests.functional_tests.test_local_tier_trust import start_lines
+from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain, start_lines
 
 pytestmark = pytest.mark.slow
 
