@@ -874,8 +874,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                         if entry.sender == me and entry.receiver != me:
                             cid = entry.id_
                             try:
-                                sd = self._load_fn(cid)
+                                sd = self._load(cid)  # verified on the host, then to the device
                                 errs, _ = _verify(sd, f"rank {me}'s replica of rank {cid[1]}'s shard", True)
+                                sd.restore_tensor_device(non_blocking=False)
                             except Exception as e:  # noqa: BLE001
                                 sd, errs = None, [f"unreadable: {_exc_text(e)}"]
                             if errs:

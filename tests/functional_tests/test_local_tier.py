@@ -260,6 +260,18 @@ def _scenarios(rank, world, root):
         sd, err, _ = _load_at(k_root, 3)
         assert err is None and torch.equal(_values(sd)["layer.bias"], _tensors(rank)["layer.bias"]), f"K: {err}"
 
+        # M: --local-tier-run-id keeps the tier across a deliberate change of a run setting.
+        m_root = os.path.join(root, "m")
+        st.args.local_tier_run_id = "exp-7"
+        lt.install(st.args)
+        _save(m_root, rank, replicated=True)
+        st.args.seed = 4321
+        lt.install(st.args)
+        sd, err, _ = _load(m_root, replicated=True)
+        st.args.seed, st.args.local_tier_run_id = 1234, None
+        lt.install(st.args)
+        assert err is None and torch.equal(_values(sd)["layer.bias"], _tensors(rank)["layer.bias"]), f"M: {err}"
+
         # L: replication; a flipped byte in rank 0's own primary: repaired from rank 1's replica.
         l_root = os.path.join(root, "l")
         _save(l_root, rank, replicated=True)
@@ -353,6 +365,13 @@ def test_flags_default_and_validation():
     with pytest.raises(SystemExit, match="needs local-tier validation"):
         validate_fork_args(_fork_parser().parse_args(["--no-local-tier-validation",
                                                       "--local-tier-nan-window", "5"]))
+    run_id = _fork_parser().parse_args(["--local-tier-run-id", "exp-7"])
+    validate_fork_args(run_id)
+    assert run_id.local_tier_run_id == "exp-7" and args.local_tier_run_id is None
+    with pytest.raises(SystemExit, match="needs a non-empty ID and local-tier validation"):
+        validate_fork_args(_fork_parser().parse_args(["--local-tier-run-id", "x", "--no-local-tier-validation"]))
+    with pytest.raises(SystemExit, match="must not be empty"):
+        validate_fork_args(_fork_parser().parse_args(["--local-tier-run-id", " "]))
 
 
 def test_install_is_a_no_op_without_local_checkpoints():

@@ -1,7 +1,7 @@
 """Faults during and around local checkpoint saves, on the real entrypoint (``pretrain_gpt.py``, 2
 ranks, ``--cpu``), and a two-node run on one machine that loses a node.
 
-Every run trains ``--train-iters 14`` with persistent ``torch_dist`` checkpoints every 5 iterations
+Every run trains ``--train-iters 16 --exit-interval 14`` with persistent ``torch_dist`` checkpoints every 5 iterations
 and local checkpoints every 2, replicated to the other rank (jump 1, factor 2); one uninterrupted
 run of the same command is the reference for every bitwise comparison.
 
@@ -49,7 +49,6 @@ from megatron.training_ext.fault_injection import ENV_FAULT, ENV_KILL_LOCAL_SAVE
 from tests.functional_tests.launch import (
     assert_bitwise_equal,
     local_files,
-    run_pretrain,
     run_pretrain_reaped,
     start_lines,
     start_node,
@@ -63,7 +62,7 @@ ITERS = 14
 KILL_AT = 12  # a local save (every 2) with no persistent one (every 5)
 PREVIOUS_LOCAL = 8  # upstream skips the local save where it saves a persistent one (10)
 PERSISTENT = 10
-SCHEDULE = ["--train-iters", str(ITERS)]
+SCHEDULE = ["--train-iters", "16", "--exit-interval", str(ITERS)]  # conftest.SCHEDULE_16_EXIT_14
 TIERS = ["--save", "ckpt", "--load", "ckpt", "--save-interval", "5", "--ckpt-format", "torch_dist",
          "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "2",
          "--non-persistent-local-ckpt-dir", "local",
@@ -91,10 +90,8 @@ def _complete(holders: dict[int, list[str]], iteration: int, world: int = 2) -> 
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run = run_pretrain(tmp_path_factory.mktemp("straight"), *SCHEDULE, *TIERS)
-    assert sorted(run.losses) == list(range(1, ITERS + 1))
-    return run.losses
+def straight(straight_16_exit_14):
+    return straight_16_exit_14
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,10 +36,8 @@ def primary(work: Path, rank: int, iteration: int = 12) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run = run_pretrain(tmp_path_factory.mktemp("straight"), *SCHEDULE, "--exit-interval", "14")
-    assert sorted(run.losses) == list(range(1, 15))
-    return run.losses
+def straight(straight_16_exit_14):
+    return straight_16_exit_14
 
 
 @pytest.fixture(scope="module")

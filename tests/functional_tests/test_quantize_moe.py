@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.integrity.local_identity import RUN_TOKEN_FILE
 from tests.functional_tests.launch import REPO, TINY_GPT, Run, assert_bitwise_equal, device, run_pretrain
 from tests.helpers.dist import free_port
 
@@ -183,7 +184,11 @@ def test_local_checkpoint_recovery_resumes_quantized(flow, tmp_path):
     local = work / "local"
     assert sorted(p.name for p in (local / "1").iterdir()) == ["iter_0000008_0_local.pt",
                                                                 "iter_0000008_1_local.pt"]
-    shutil.rmtree(work / "ckpt")  # the job died after the local save at 8: no persistent ckpt
+    # the job died after the local save at 8: no persistent checkpoint yet (--save holds only the
+    # run token written at the first start, which makes this the same run: docs/local-tier.md)
+    for p in (work / "ckpt").iterdir():
+        if p.name != RUN_TOKEN_FILE:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
     shutil.rmtree(local / "1")  # ... and rank 1 lost its local directory: recover from replica
     resumed = run_pretrain(work, *MOE, *SAVED_AT, "--train-iters", "10",
                            "--load", str(work / "ckpt"), "--save", str(work / "ckpt"),
