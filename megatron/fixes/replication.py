@@ -1,7 +1,7 @@
 """Fix: local checkpoint replication corrupts quantized weights (NVRx issue 349, Megatron-LM issue 5281).
 
-The defect (see ``/work/shared/notes/upstream-defects.md`` section 1)
----------------------------------------------------------------------
+The defect (NVRx issue 349)
+---------------------------
 With ``--non-persistent-ckpt-type local --replication`` Megatron's ``pretrain()`` builds
 ``CliqueReplicationStrategy.from_replication_params(J, F)`` (NVRx 0.7.0,
 ``checkpointing/local/replication/strategies.py``) and hands it to ``LocalCheckpointManager``.

@@ -5,8 +5,7 @@ children of the test process, on 127.0.0.1 only, with a private munge key and so
 Debian's ``slurm-wlm`` (22.05) and ``munge`` packages are enough (``scripts/setup_test_services.sh``
 installs them). Nothing system-wide is started, changed or read (a system munged, if any, is left
 alone: ours listens on its own socket, named in ``AuthInfo``). Daemons are stopped by PID, each
-waited for (the init process of a container may not reap orphans); see
-``/work/shared/notes/local-slurm.md`` for what was measured.
+waited for (the init process of a container may not reap orphans).
 
 Usage::
 
