@@ -153,7 +153,6 @@ __all__ = [
 DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
 """Most persistent tensor bytes held in memory at once while comparing one local file."""
 
-_LOCAL_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.pt")  # final files only (local_identity.LOCAL_FILE_RE: also .dirty)
 
 
 class IterationMismatchError(CheckpointInputError):
@@ -240,10 +239,10 @@ def _scan_rank_dirs(d: Path, root: Path) -> Tuple[Dict[int, List[LocalFile]], Li
             continue
         holder = int(rank_dir.name)
         for f in sorted(rank_dir.iterdir()):
-            m = _LOCAL_NAME.fullmatch(f.name)
+            parsed = parse_local_name(f.name)
             rel = str(f.relative_to(root))
-            if m and f.is_file():
-                it, owner = int(m.group(1)), int(m.group(2))
+            if parsed is not None and not parsed[2] and f.is_file():
+                it, owner = parsed[0], parsed[1]
                 files.setdefault(it, []).append(LocalFile(str(f.resolve()), rel, holder, owner, it, f.stat().st_size))
             elif f.name.startswith("iter_") and "dirty" in f.name:
                 dirty.append(rel)

@@ -450,6 +450,13 @@ class _Resolution:
     line: str = ""
 
 
+def _no_verified_copy(owner: int, copies: List[_Copy]) -> str:
+    """Why no copy of ``owner``'s shard can be used: each copy's holder, role and problem."""
+    detail = "; ".join(f"rank {c.holder}'s {'primary' if c.holder == owner else 'replica'}: {c.problem}"
+                       for c in copies) or "no copy on any rank"
+    return f"no verified copy of rank {owner}'s shard ({_short(detail, 500)})"
+
+
 def _describe_marker(rank: int, m: dict) -> str:
     if "iteration" in m:
         return (f"rank {rank} marked the local tier bad at iteration {m.get('iteration')} "
@@ -801,9 +808,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         for owner in range(world):
             cs = by_owner.get(owner, [])
             if not any(c.problem is None for c in cs):
-                detail = "; ".join(f"rank {c.holder}'s {'primary' if c.holder == owner else 'replica'}: "
-                                   f"{c.problem}" for c in cs) or "no copy on any rank"
-                missing.append(f"no verified copy of rank {owner}'s shard ({_short(detail, 500)})")
+                missing.append(_no_verified_copy(owner, cs))
         if missing:
             why_not.append(f"iteration {it}: " + "; ".join(missing))
             return None
@@ -857,9 +862,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             uncovered = [o for o in need if not any(c.problem is None for c in by_owner.get(o, []))]
             if uncovered:
                 why_not.append(f"iteration {it}: " + "; ".join(
-                    f"no verified copy of rank {o}'s shard ("
-                    + _short("; ".join(f"rank {c.holder}'s {'primary' if c.holder == o else 'replica'}: {c.problem}"
-                                       for c in by_owner.get(o, [])), 500) + ")" for o in uncovered))
+                    _no_verified_copy(o, by_owner.get(o, [])) for o in uncovered))
                 return None
             plan = None
             errors: List[str] = []
