@@ -5,7 +5,7 @@
     python tools/verify_checkpoint.py --local-dir /ssd/local_ckpt --persistent-dir /lustre/ckpt/iter_0000010
 
     # persistent alone: chunk coverage, storage ranges (truncation), every chunk/object read,
-    # NaN/Inf, megatron-core's integrity.json (SHA-256 per file) when it was saved with --verify-integrity
+    # NaN/Inf, integrity.json (per-block xxh3, written by every save; or upstream's SHA-256)
     python tools/verify_checkpoint.py --persistent-dir /lustre/ckpt [--iteration 10]
 
     # local alone: every local iteration; primaries against their replicas (tensors and identity),
@@ -23,7 +23,7 @@ run as many processes as there are cores to use.
 
 With local files, every tensor of every file (primaries and replicas) is compared bitwise with the
 same region of the persistent checkpoint, its stored xxh3 checksum (replication fix) is checked and
-it is scanned for NaN/Inf; ``--verify-manifest`` adds the SHA-256 pass over the persistent files.
+it is scanned for NaN/Inf; ``--verify-manifest`` adds the integrity.json pass over the persistent files.
 
 ``--local-dir`` alone checks every local iteration found (only ``--iteration`` when given): each
 file's stored checksums and NaN/Inf, then every primary against each of its replicas, tensor by
@@ -48,11 +48,12 @@ Both tiers at the same iteration from ``pretrain_gpt.py``: when both intervals h
 only the persistent checkpoint; but after the last iteration it saves a persistent one unless
 ``train_iters % save_interval == 0``. So ``--train-iters N --save-interval <M not dividing N>
 --non-persistent-save-interval N`` writes the local checkpoint of N in the loop and the persistent
-one of N at the end (add ``--verify-integrity`` for ``integrity.json``).
+one of N at the end (with ``integrity.json`` unless ``--no-verify-integrity``).
 
 Exit status: 0 no problem found, 1 problems found (mismatch, copies that differ, checksum failure,
-NaN/Inf, ...; warnings do not count), 2 bad
-input (missing directory, no checkpoint files, iteration mismatch, unsupported format).
+NaN/Inf, ...; warnings do not count), 2 bad input (missing directory, no checkpoint files,
+iteration mismatch, unsupported format, a ``--json`` path that cannot be written), found before
+any file is checked where it can be.
 
 Library: :func:`megatron.integrity.verify.verify_checkpoint`.
 """
@@ -81,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nonfinite-check", action="store_true", help="do not scan for NaN/Inf")
     m = p.add_mutually_exclusive_group()
     m.add_argument("--verify-manifest", dest="manifest", action="store_const", const=True,
-                   help="also verify integrity.json (SHA-256 of every persistent file) when comparing with "
+                   help="also verify integrity.json (checksums of every persistent file) when comparing with "
                         "local files (default: only for a persistent checkpoint alone)")
     m.add_argument("--skip-manifest", dest="manifest", action="store_const", const=False,
                    help="never verify integrity.json")
@@ -97,11 +98,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the report cannot be written to ``path`` (``None``: it can), without creating it."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is not writable"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if not args.local_dir and not args.persistent_dir:
         _parser().print_usage(sys.stderr)
         print("error: give --local-dir, --persistent-dir or both", file=sys.stderr)
+        return 2
+
+    if args.json and (problem := _unwritable(args.json)):
+        print(f"error: --json {args.json}: {problem}; give a path in a writable directory", file=sys.stderr)
         return 2
 
     import torch.distributed as dist

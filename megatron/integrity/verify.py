@@ -27,9 +27,10 @@ What is checked
 
 *Persistent alone* (``local_dir=None``): metadata coverage (every tensor's global shape tiled
 exactly by its chunks, storage entries inside existing files: catches truncated shards), every
-chunk and object read and deserialised, NaN/Inf scan, and megatron-core's own integrity manifest
-(``integrity.json``, SHA-256 per file, written with ``--verify-integrity``): checked with
-``megatron.core.dist_checkpointing.validation.verify_integrity_manifest``.
+chunk and object read and deserialised, NaN/Inf scan, and the integrity manifest
+(``integrity.json``: this fork's per-block xxh3, written by every ``pretrain_gpt.py`` save unless
+``--no-verify-integrity``, or megatron-core's SHA-256 per file): checked with
+:func:`megatron.integrity.manifest.check_files`.
 
 *Local alone* (``persistent_dir=None``): every local iteration found (only ``iteration`` when given),
 each file checked once for stored checksums and NaN/Inf, and then:
@@ -70,8 +71,8 @@ Getting both tiers at the same iteration from ``pretrain_gpt.py``: the training 
 persistent checkpoint instead of the local one when both intervals hit, but after the last
 iteration it saves a persistent checkpoint unless ``train_iters % save_interval == 0``. So
 ``--train-iters 10 --save-interval 1000 --non-persistent-save-interval 10`` writes the local
-checkpoint of iteration 10 in the loop and the persistent one of iteration 10 at the end (add
-``--verify-integrity`` for ``integrity.json``).
+checkpoint of iteration 10 in the loop and the persistent one of iteration 10 at the end (with
+``integrity.json`` unless ``--no-verify-integrity``).
 
 Parallelism and memory
 ----------------------
@@ -116,15 +117,15 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-# megatron-core: the classes local checkpoint files unpickle to, and upstream's integrity manifest
-# (imported here so that their import time is not part of a verification's wall time)
-from megatron.core.dist_checkpointing import validation as _mcore_validation
+# megatron-core: the classes local checkpoint files unpickle to (imported here so that their
+# import time is not part of a verification's wall time)
 from megatron.core.dist_checkpointing.dict_utils import nested_values as _nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject as _ShardedObject
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict  # noqa: F401
 from megatron.integrity import checksums as ck
 from megatron.integrity._readahead import ReadAhead
 from megatron.integrity import local_identity
+from megatron.integrity import manifest as _manifest
 from megatron.integrity.local_identity import get_identity, parse_local_name
 from megatron.integrity.persistent import (
     INTEGRITY_FNAME,
@@ -1008,48 +1009,19 @@ def _manifest_names(manifest: dict) -> List[str]:
 
 def _check_manifest_files(pc: PersistentCheckpoint, names: Sequence[str], manifest: dict, part: _Partial,
                           single_process: bool) -> None:
-    """Verify ``names`` of megatron-core's ``integrity.json``.
-
-    Single process, whole manifest: ``validation.verify_integrity_manifest`` (upstream); only when it
-    fails are the files hashed again one by one (upstream's ``_compute_file_hash``, SHA-256) to name
-    each bad file. Distributed: each rank hashes its share with ``_compute_file_hash``.
-    """
-    v = _mcore_validation
-    expected = manifest.get("files", {})
-    if manifest.get("algorithm", "sha256") != "sha256":
+    """Verify ``names`` of the checkpoint's ``integrity.json``: this fork's ``xxh3-64-blocks``
+    (a bad file is named with the byte range that differs) or megatron-core's ``sha256``
+    (:func:`megatron.integrity.manifest.check_files`). ``single_process`` is unused (each rank
+    checks its share)."""
+    del single_process
+    if manifest.get("algorithm", "sha256") not in (_manifest.ALGORITHM, _manifest.UPSTREAM_ALGORITHM):
         part.manifest_failed.append(("*", f"unsupported algorithm {manifest.get('algorithm')!r} in integrity.json"))
         return
-    # upstream's function broadcasts over the default group when one is initialised: only call it
-    # where that cannot leave other processes waiting
-    if single_process and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        try:
-            v.verify_integrity_manifest(str(pc.path))
-            part.manifest_checked += len(names)
-            part.bytes_read += sum(_size(pc.path / n) for n in names)
-            return
-        except Exception:  # noqa: BLE001 - attributed per file below
-            pass
-    hash_file = getattr(v, "_compute_file_hash", None)
     for n in names:
-        p = pc.path / n
         part.manifest_checked += 1
-        part.bytes_read += _size(p)
-        try:
-            if hash_file is not None:
-                got = hash_file(str(p))
-            else:  # pragma: no cover - older/newer megatron-core without the helper
-                import hashlib
-
-                h = hashlib.sha256()
-                with open(p, "rb") as f:
-                    for blk in iter(lambda: f.read(1 << 24), b""):
-                        h.update(blk)
-                got = h.hexdigest()
-        except OSError as e:
-            part.manifest_failed.append((n, f"missing or unreadable ({e})"))
-            continue
-        if got != expected[n]:
-            part.manifest_failed.append((n, f"SHA-256 {got[:16]}... differs from integrity.json ({expected[n][:16]}...)"))
+        part.bytes_read += _size(pc.path / n)
+    for p in _manifest.check_files(pc.path, manifest, names):
+        part.manifest_failed.append((p.file, str(p)[len(p.file) + 2:]))
 
 
 def _size(p: Path) -> int:
@@ -1180,11 +1152,11 @@ def verify_checkpoint(
         iteration: the iteration to verify (default: the persistent directory's; with a local
             directory alone, every local iteration, to find the newest complete and consistent one).
         check_nonfinite: scan floating-point tensors for NaN/Inf.
-        verify_manifest: verify megatron-core's ``integrity.json`` (SHA-256 of every file) if the
+        verify_manifest: verify the checkpoint's ``integrity.json`` (xxh3 blocks or SHA-256) if the
             persistent checkpoint has one. Default (``None``): only when the persistent checkpoint is
             verified alone; with local files, comparing every tensor bitwise with local copies whose
             own checksums verify already checks the persistent tensor data (a corrupted persistent
-            chunk differs from every copy), so the extra SHA-256 pass over the persistent files is
+            chunk differs from every copy), so the extra hash pass over the persistent files is
             opt-in.
         compare_objects: compare main-replica ``ShardedObject`` s with the persistent ones.
         batch_bytes: most persistent tensor bytes held at once per process.
