@@ -46,6 +46,7 @@ from megatron.training.utils.common_utils import (  # noqa: E402
     get_blend_and_blend_per_split,
     is_first_or_last_pipeline_stage,
 )
+from megatron.training_ext import data_checks  # noqa: E402
 from megatron.training_ext.shutdown import run_then_destroy_process_groups  # noqa: E402
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -156,6 +157,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         create_attention_mask=args.create_attention_mask_in_dataloader,
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    if not args.mock_data:  # token ids >= the vocabulary: refused now, not at the first such batch
+        data_checks.check_token_ids(data_checks.data_prefixes(blend, blend_per_split), args.padded_vocab_size)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),
@@ -174,6 +177,7 @@ def main() -> None:
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     fork_args.validate_fork_args(args)
+    fork_args.check_run_setup(args)
     model_cfg = gpt_config_from_args(args)
     if args.cpu:
         from megatron.cpu import specs

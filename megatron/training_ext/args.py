@@ -121,6 +121,18 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "job is the same run and a new experiment is not. Set it to keep "
                             "using local checkpoints across a deliberate change of those "
                             "settings, or to tell apart runs that share all of them.")
+    # Persistent tier (megatron/training_ext/persistent_tier.py).
+    group.add_argument("--no-verify-integrity", dest="persistent_integrity", action="store_false",
+                       help="torch_dist checkpoints: write no integrity.json at save and do not "
+                            "hash the files at load (upstream's default). By default every save "
+                            "writes per-block xxh3 checksums and every load verifies them first, "
+                            "falling back to the previous complete checkpoint when the newest "
+                            "fails. File sizes are checked at load either way. Upstream's "
+                            "--verify-integrity additionally requires integrity.json at load.")
+    group.add_argument("--overwrite-save", action="store_true",
+                       help="Start even though --save holds checkpoints that this run does not "
+                            "load (no --load, or --load of another directory); its saves then "
+                            "overwrite them. Without it such a start is refused.")
     return parser
 
 
@@ -135,6 +147,24 @@ def validate_fork_args(args: argparse.Namespace) -> None:
                              "pipeline parallelism")
 
     _validate_local_tier_args(args)
+    if getattr(args, "verify_integrity", False) and not getattr(args, "persistent_integrity", True):
+        raise SystemExit("--verify-integrity (integrity.json required at load) and "
+                         "--no-verify-integrity (no checksums) contradict each other: give one")
+
+
+def check_run_setup(args: argparse.Namespace) -> None:
+    """Refuse, on every rank and before any model is built, a start whose setup would fail late or
+    lose work: no training data (:func:`megatron.training_ext.data_checks.check_data_args`), or a
+    ``--save`` holding checkpoints this run does not load
+    (:func:`megatron.training_ext.persistent_tier.check_save_dir`).
+
+    Raises:
+        SystemExit: with the reason and what to give instead.
+    """
+    from megatron.training_ext import data_checks, persistent_tier
+
+    data_checks.check_data_args(args)
+    persistent_tier.check_save_dir(args)
 
 
 def _validate_local_tier_args(args: argparse.Namespace) -> None:
@@ -161,6 +191,9 @@ def _validate_local_tier_args(args: argparse.Namespace) -> None:
 
 def install_training_hooks(args: argparse.Namespace) -> None:
     """Install the training-path behaviour this fork's flags switch on (called before pretrain)."""
+    from megatron.training_ext import persistent_tier
+
+    persistent_tier.install(args)
     if args.loss_log:
         from megatron.training_ext import loss_log
 

@@ -1,0 +1,344 @@
+"""The persistent tier you can trust: ``--save`` is never overwritten by a run that did not load it,
+``torch_dist`` checkpoints carry checksums by default and are verified before their bytes are used,
+and a checkpoint that fails verification gives way to the previous complete one.
+
+Upstream (megatron-core 0.19.2) starts from scratch when ``--load`` has a typo and then overwrites
+``--save``; it writes and checks ``integrity.json`` only with ``--verify-integrity`` (SHA-256, all
+files hashed by rank 0), so a flipped byte loads silently and a truncated file fails deep in the
+load with a bare ``EOFError``. What this module changes, and the flags that restore upstream's
+behaviour, are in ``docs/persistent-tier.md``.
+
+Patch points (recorded by :data:`_PATCHER`): ``megatron.core.dist_checkpointing.save``, ``load``
+and ``load_common_state_dict`` (package attributes and ``serialization``'s), and
+``load_checkpoint`` in ``megatron.training.checkpointing`` and ``megatron.training.training``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from megatron.fixes.base import Patcher
+from megatron.integrity import manifest as mf
+from megatron.integrity.manifest import CheckpointIntegrityError
+from megatron.training_ext.console import write_line
+
+logger = logging.getLogger("megatron.training_ext.persistent_tier")
+
+__all__ = [
+    "LOG_PREFIX",
+    "OVERWRITE_FLAG",
+    "CheckpointIntegrityError",
+    "check_save_dir",
+    "install",
+    "installed",
+    "saved_checkpoints",
+    "uninstall",
+]
+
+LOG_PREFIX = "[persistent-tier]"
+OVERWRITE_FLAG = "--overwrite-save"
+TRACKER = "latest_checkpointed_iteration.txt"  # upstream's get_checkpoint_tracker_filename
+_ITER = re.compile(r"iter_(\d{7})$")
+_NON_PERSISTENT = "non_persistent"  # upstream's _NON_PERSISTENT_CKPT_SUBDIR
+
+
+# ---------------------------------------------------------------------------------------------
+# --save is never overwritten by a run that did not load it
+# ---------------------------------------------------------------------------------------------
+
+
+def saved_checkpoints(directory: Optional[str]) -> List[str]:
+    """What in ``directory`` a start from scratch would overwrite: the tracker file, ``iter_*``
+    and ``release`` directories, and global non-persistent checkpoints (names, sorted)."""
+    if not directory or not os.path.isdir(directory):
+        return []
+    out = []
+    for e in os.scandir(directory):
+        if e.name == TRACKER or (e.is_dir() and (_ITER.match(e.name) or e.name == "release")):
+            out.append(e.name)
+        elif e.is_dir() and e.name == _NON_PERSISTENT and any(_ITER.match(x) for x in os.listdir(e.path)):
+            out.append(e.name + "/")
+    return sorted(out)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _shown(names: List[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_save_dir(args: Any) -> None:
+    """Refuse a start that would overwrite checkpoints in ``--save`` without having loaded them.
+
+    Allowed: ``--save`` holds no checkpoint (a first start, also with a ``--load`` that does not
+    exist yet: that is how auto-resume begins), or ``--load`` is the same directory as ``--save``
+    (upstream then resumes from it), or ``--overwrite-save``.
+
+    Refused (``--save`` holds checkpoints): no ``--load``, or a ``--load`` of another directory
+    (a typo, an empty directory, another run's checkpoints, a ``--pretrained-checkpoint`` start).
+
+    Raises:
+        SystemExit: naming both directories, what ``--save`` holds, and the choices; raised on
+            every rank before any process group or model exists (it only reads the file system).
+    """
+    save = getattr(args, "save", None)
+    if not save or getattr(args, "overwrite_save", False):
+        return
+    held = saved_checkpoints(save)
+    if not held:
+        return
+    load = getattr(args, "load", None)
+    if load and _same_dir(load, save):
+        return
+    if load is None:
+        why = "no --load was given, so this run starts from scratch"
+    elif not os.path.exists(load):
+        why = f"--load {load} does not exist (a typo?), so this run would start from scratch"
+    elif not saved_checkpoints(load):
+        why = f"--load {load} holds no checkpoint, so this run would start from scratch"
+    else:
+        why = f"this run would resume from --load {load}, another directory"
+    raise SystemExit(
+        f"pretrain_gpt.py: --save {save} already holds checkpoints ({_shown(held)}), but {why}; "
+        f"its saves would overwrite them. To resume that run, pass --load {save}. To keep them, "
+        f"choose another --save. To start over in {save} and overwrite them, add {OVERWRITE_FLAG}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums at save, verification at load, fallback
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Policy:
+    write: bool = True        # write integrity.json at every torch_dist save
+    verify: bool = True       # hash the bytes at load when integrity.json is present
+    require: bool = False     # integrity.json must be present (upstream's --verify-integrity)
+
+
+_POLICY: Optional[_Policy] = None
+_PATCHER = Patcher()
+_VERIFIED: Dict[str, mf.VerifySummary] = {}  # realpath -> what was verified (this process)
+
+
+def installed() -> bool:
+    return _POLICY is not None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _say(line: str) -> None:
+    if _rank() == 0:
+        write_line(f"{LOG_PREFIX} {line}")
+
+
+def _ensure_verified(checkpoint_dir: Any, require: bool) -> None:
+    """Verify ``checkpoint_dir`` once per process (collective when distributed is initialised).
+    Before ``torch.distributed`` exists (``--use-checkpoint-args`` reads the checkpoint's args
+    first) only the sizes are checked, on this process alone; the collective load verifies later."""
+    import torch.distributed as dist
+
+    policy = _POLICY or _Policy()
+    d = Path(str(checkpoint_dir))
+    key = os.path.realpath(d)  # the same on every rank (a stamp read per rank might not be)
+    if key in _VERIFIED:
+        return
+    collective = dist.is_available() and dist.is_initialized()
+    hash_bytes = policy.verify and collective
+    summary = mf.verify_checkpoint_dir(d, require_manifest=require or policy.require, hash_bytes=hash_bytes)
+    if not collective:
+        return
+    _VERIFIED[key] = summary
+    if summary.algorithm is None:
+        _say(f"{d.name}: no {mf.INTEGRITY_FNAME} (saved without checksums, e.g. by upstream "
+             f"Megatron-LM or with --no-verify-integrity): file sizes checked against .metadata, "
+             f"bytes not verified")
+    elif hash_bytes:
+        _say(f"{d.name}: verified {summary.files} files, {summary.bytes / 1e6:.1f} MB "
+             f"({summary.algorithm}) in {summary.seconds * 1e3:.0f} ms")
+    else:
+        _say(f"{d.name}: sizes of {summary.files} files checked (--no-verify-integrity: bytes not verified)")
+
+
+def _bind(sig: inspect.Signature, args, kwargs) -> inspect.BoundArguments:
+    ba = sig.bind(*args, **kwargs)
+    ba.apply_defaults()
+    return ba
+
+
+def _wrap_save(orig):
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def save(*args, **kwargs):
+        """dist_checkpointing.save that writes integrity.json (xxh3 blocks, hashed by the ranks
+        that wrote the files) by default (megatron.training_ext.persistent_tier)."""
+        ba = _bind(sig, args, kwargs)
+        policy = _POLICY or _Policy()
+        write = policy.write or bool(ba.arguments.get("verify_integrity"))
+        ba.arguments["verify_integrity"] = False
+        _VERIFIED.pop(os.path.realpath(str(ba.arguments["checkpoint_dir"])), None)  # rewritten now
+        request = orig(*ba.args, **ba.kwargs)
+        if not write:
+            return request
+        finalize = functools.partial(mf.save_manifest, str(ba.arguments["checkpoint_dir"]))
+        if request is None:
+            finalize()
+        else:
+            request.finalize_fns.append(finalize)
+        return request
+
+    return save
+
+
+def _wrap_load(orig):
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def load(*args, **kwargs):
+        """dist_checkpointing.load that verifies the directory first (once per process)
+        (megatron.training_ext.persistent_tier)."""
+        ba = _bind(sig, args, kwargs)
+        _ensure_verified(ba.arguments["checkpoint_dir"], bool(ba.arguments.get("verify_integrity")))
+        ba.arguments["verify_integrity"] = False
+        return orig(*ba.args, **ba.kwargs)
+
+    return load
+
+
+def _wrap_load_common(orig):
+    @functools.wraps(orig)
+    def load_common_state_dict(checkpoint_dir, *args, **kwargs):
+        """dist_checkpointing.load_common_state_dict that verifies the directory first
+        (megatron.training_ext.persistent_tier)."""
+        _ensure_verified(checkpoint_dir, False)
+        return orig(checkpoint_dir, *args, **kwargs)
+
+    return load_common_state_dict
+
+
+def _previous_complete(failed: Path, tried: set) -> Optional[int]:
+    """The newest ``iter_*`` below ``failed``'s iteration in the same directory that is complete
+    (``.metadata`` and ``metadata.json``) and not tried yet, else ``None``."""
+    m = _ITER.match(failed.name)
+    if not m:
+        return None
+    below = int(m.group(1))
+    cands = []
+    for e in os.scandir(failed.parent):
+        mm = _ITER.match(e.name)
+        if (mm and e.is_dir() and 0 < int(mm.group(1)) < below
+                and os.path.realpath(e.path) not in tried
+                and os.path.isfile(os.path.join(e.path, ".metadata"))
+                and os.path.isfile(os.path.join(e.path, "metadata.json"))):
+            cands.append(int(mm.group(1)))
+    return max(cands, default=None)
+
+
+def _wrap_load_checkpoint(orig, get_args):
+    @functools.wraps(orig)
+    def load_checkpoint(*args, **kwargs):
+        """megatron.training load_checkpoint that falls back to the previous complete persistent
+        checkpoint when the newest fails verification (megatron.training_ext.persistent_tier)."""
+        margs = get_args()
+        user_step = getattr(margs, "ckpt_step", None)
+        tried: set = set()
+        failures: List[CheckpointIntegrityError] = []
+        try:
+            while True:
+                try:
+                    return orig(*args, **kwargs)
+                except CheckpointIntegrityError as e:
+                    failed = Path(e.checkpoint_dir)
+                    failures.append(e)
+                    tried.add(os.path.realpath(failed))
+                    nxt = None
+                    if not user_step and failed.parent.name != _NON_PERSISTENT:
+                        nxt = _previous_complete(failed, tried)
+                    if nxt is None:
+                        raise CheckpointIntegrityError(failed, e.problems, e.detail,
+                                                       _no_fallback_advice(failed, user_step, failures)) from None
+                    _say(f"{failed.name} failed verification:\n" + "\n".join(f"  {p}" for p in e.problems)
+                         + f"\n{LOG_PREFIX} falling back to the previous complete checkpoint, iter_{nxt:07d}")
+                    margs.ckpt_step = nxt
+        finally:
+            margs.ckpt_step = user_step
+
+    return load_checkpoint
+
+
+def _no_fallback_advice(failed: Path, user_step, failures) -> str:
+    earlier = "" if len(failures) == 1 else (
+        "; earlier checkpoints also failed: " + ", ".join(Path(f.checkpoint_dir).name for f in failures[:-1]))
+    if user_step:
+        why = f"--ckpt-step {user_step} asks for this one"
+    elif failed.parent.name == _NON_PERSISTENT:
+        why = "a global non-persistent checkpoint; remove it to resume from the persistent tier"
+    else:
+        why = f"no earlier complete checkpoint in {failed.parent} to fall back to"
+    return (f"{why}{earlier}. Restore the files from a copy, or choose another --ckpt-step; "
+            f"--no-verify-integrity loads without checksums, as upstream does (not recommended)")
+
+
+def install(args: Any) -> None:
+    """Install checksums at save, verification at load and the fallback, for ``args``
+    (``install_training_hooks`` calls it). Idempotent: a second call only updates the policy.
+
+    ``args.persistent_integrity`` False (``--no-verify-integrity``): no manifest written, sizes
+    still checked at load; ``args.verify_integrity`` (upstream's flag): the manifest is required.
+
+    Raises:
+        RuntimeError: the upstream functions wrapped here are missing or lack the parameters
+            relied on (a megatron-core other than 0.19.2), naming the function.
+    """
+    global _POLICY
+    policy = _Policy(write=bool(getattr(args, "persistent_integrity", True)),
+                     verify=bool(getattr(args, "persistent_integrity", True)),
+                     require=bool(getattr(args, "verify_integrity", False)))
+    if _POLICY is not None:
+        _POLICY = policy
+        return
+    import megatron.core.dist_checkpointing as dc
+    import megatron.core.dist_checkpointing.serialization as ser
+    import megatron.training.checkpointing as ckpt
+    import megatron.training.training as training
+
+    for fn, params in ((ser.save, ("checkpoint_dir", "verify_integrity")),
+                       (ser.load, ("checkpoint_dir", "verify_integrity")),
+                       (ckpt.load_checkpoint, ())):
+        missing = [p for p in params if p not in inspect.signature(fn).parameters]
+        if missing:
+            raise RuntimeError(f"persistent_tier: {fn.__module__}.{fn.__qualname__} has no parameter "
+                               f"{missing[0]!r}; this module targets megatron-core 0.19.2")
+    _POLICY = policy
+    for owner in (dc, ser):
+        _PATCHER.replace(owner, "save", _wrap_save(getattr(owner, "save")))
+        _PATCHER.replace(owner, "load", _wrap_load(getattr(owner, "load")))
+        _PATCHER.replace(owner, "load_common_state_dict", _wrap_load_common(getattr(owner, "load_common_state_dict")))
+    wrapped = _wrap_load_checkpoint(ckpt.load_checkpoint, lambda: ckpt.get_args())
+    _PATCHER.replace(ckpt, "load_checkpoint", wrapped)
+    if getattr(training, "load_checkpoint", None) is not None:
+        _PATCHER.replace(training, "load_checkpoint", wrapped)
+    logger.info("persistent_tier: installed (write=%s verify=%s require=%s)", policy.write, policy.verify,
+                policy.require)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    global _POLICY
+    _PATCHER.restore()
+    _VERIFIED.clear()
+    _POLICY = None
