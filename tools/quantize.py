@@ -283,6 +283,9 @@ def main() -> None:
                                                   "save_interval": 1})
     fork_args.validate_fork_args(args)
     recipe = validate_quantize_args(args)
+    from megatron.training_ext import persistent_tier
+
+    persistent_tier.install(args)  # verify --load, write integrity.json with the quantized checkpoint
     initialize_megatron(allow_no_cuda=args.cpu)
     quantize(args, recipe)
 

@@ -145,10 +145,12 @@ def _say(line: str) -> None:
         write_line(f"{LOG_PREFIX} {line}")
 
 
-def _ensure_verified(checkpoint_dir: Any, require: bool) -> None:
-    """Verify ``checkpoint_dir`` once per process (collective when distributed is initialised).
-    Before ``torch.distributed`` exists (``--use-checkpoint-args`` reads the checkpoint's args
-    first) only the sizes are checked, on this process alone; the collective load verifies later."""
+def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
+    """Verify ``checkpoint_dir`` once per process; collective over ``group`` (default: the world)
+    when distributed is initialised, as megatron-core's loads are (every rank of the group reads
+    the same directory). Before ``torch.distributed`` exists (``--use-checkpoint-args`` reads the
+    checkpoint's args first) only the sizes are checked, on this process alone; the collective
+    load verifies later."""
     import torch.distributed as dist
 
     policy = _POLICY or _Policy()
@@ -158,7 +160,8 @@ def _ensure_verified(checkpoint_dir: Any, require: bool) -> None:
         return
     collective = dist.is_available() and dist.is_initialized()
     hash_bytes = policy.verify and collective
-    summary = mf.verify_checkpoint_dir(d, require_manifest=require or policy.require, hash_bytes=hash_bytes)
+    summary = mf.verify_checkpoint_dir(d, require_manifest=require or policy.require, hash_bytes=hash_bytes,
+                                       group=group if collective else None)
     if not collective:
         return
     _VERIFIED[key] = summary
@@ -212,7 +215,8 @@ def _wrap_load(orig):
         """dist_checkpointing.load that verifies the directory first (once per process)
         (megatron.training_ext.persistent_tier)."""
         ba = _bind(sig, args, kwargs)
-        _ensure_verified(ba.arguments["checkpoint_dir"], bool(ba.arguments.get("verify_integrity")))
+        _ensure_verified(ba.arguments["checkpoint_dir"], bool(ba.arguments.get("verify_integrity")),
+                         ba.arguments.get("process_group"))
         ba.arguments["verify_integrity"] = False
         return orig(*ba.args, **ba.kwargs)
 
