@@ -27,6 +27,7 @@ SCAN_BYTES_PER_RANK = 4 << 30
 scanned (the log line says which fraction)."""
 
 _WINDOW = 1 << 20
+_CHECKED: Dict[Tuple[Tuple[str, ...], int], Dict[str, int]] = {}
 
 
 def check_data_args(args: Any) -> None:
@@ -125,6 +126,9 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, group=None) -> Dic
     """
     import torch.distributed as dist
 
+    key = (tuple(prefixes), int(vocab_size))
+    if key in _CHECKED:  # the provider runs once per virtual pipeline stage
+        return dict(_CHECKED[key])
     ready = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if ready else (0, 1)
     mine = {p: max_token_id(p, rank, world) for p in prefixes}
@@ -147,5 +151,6 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, group=None) -> Dic
             f"--make-vocab-size-divisible-by): {listed}. Use the tokenizer the data was made with "
             f"(--tokenizer-type and its files), or a --vocab-size of at least "
             f"{max(bad.values()) + 1}.")
+    _CHECKED[key] = maxima
     return maxima
 

@@ -174,3 +174,21 @@ def test_verifier_refuses_an_unwritable_json_path_up_front(tmp_path, capsys, whe
     err = capsys.readouterr().err
     assert f"--json {path}: " in err and "give a path in a writable directory" in err
     assert "no_checkpoint_here" not in err
+
+
+def test_integrity_flags_reach_the_policy():
+    from megatron.training_ext.args import add_fork_args, validate_fork_args
+
+    parser = add_fork_args(argparse.ArgumentParser())
+    parser.add_argument("--verify-integrity", action="store_true")  # upstream's flag
+    try:
+        pt.install(parser.parse_args([]))
+        assert (pt._POLICY.write, pt._POLICY.verify, pt._POLICY.require) == (True, True, False)
+        pt.install(parser.parse_args(["--no-verify-integrity"]))
+        assert (pt._POLICY.write, pt._POLICY.verify) == (False, False)
+        pt.install(parser.parse_args(["--verify-integrity"]))
+        assert pt._POLICY.require is True
+    finally:
+        pt.uninstall()
+    with pytest.raises(SystemExit, match="contradict each other"):
+        validate_fork_args(parser.parse_args(["--verify-integrity", "--no-verify-integrity"]))
