@@ -25,6 +25,7 @@ FIX_MODULES = (
     "megatron.fixes.modelopt_moe",
     "megatron.fixes.fsdp_dtensor",
     "megatron.fixes.distopt_resume",
+    "megatron.fixes.training_log",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]
