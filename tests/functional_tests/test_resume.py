@@ -110,12 +110,14 @@ def test_indexed_dataset_trains(tmp_path):
     """tools/preprocess_data.py output feeds --data-path with NullTokenizer/257."""
     import sysconfig
 
-    from tools.preprocess_data import build
+    from tools.preprocess_data import preprocess
 
-    stats = build(sysconfig.get_paths()["stdlib"] + "/json", str(tmp_path / "data" / "corpus"), "*.py",
-                  progress=False)
-    assert stats["documents"] >= 4 and stats["tokens"] > 10_000
-    run = run_pretrain(tmp_path, "--data-path", str(tmp_path / "data" / "corpus"), "--split", "100,0,0",
+    stats = preprocess(["--input", sysconfig.get_paths()["stdlib"] + "/json", "--pattern", "*.py",
+                        "--output-prefix", str(tmp_path / "data" / "corpus"), "--tokenizer-type",
+                        "ByteLevelTokenizer", "--append-eod", "--no-progress"])
+    assert stats.documents["text"] >= 4 and stats.tokens["text"] > 10_000
+    run = run_pretrain(tmp_path, "--data-path", str(tmp_path / "data" / "corpus_text_document"),
+                       "--split", "100,0,0",
                        "--train-iters", "5", mock=False)
     assert sorted(run.losses) == [1, 2, 3, 4, 5]
     first = float.fromhex(run.losses[1]["lm loss"])
