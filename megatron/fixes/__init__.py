@@ -26,6 +26,7 @@ FIX_MODULES = (
     "megatron.fixes.fsdp_dtensor",
     "megatron.fixes.distopt_resume",
     "megatron.fixes.training_log",
+    "megatron.fixes.help_text",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]
