@@ -13,8 +13,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.functional_tests.launch import REPO
 from tests.helpers.dist import free_port
+
+pytestmark = pytest.mark.slow  # torchrun with 2 ranks: not in the quick lane
 
 _SCRIPT = textwrap.dedent("""
     import os, sys
