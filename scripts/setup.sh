@@ -8,7 +8,7 @@
 # Idempotent: a second run with everything in place returns in well under a second (a stamp of
 # pyproject.toml and the NVRx pin in $VENV/.megatron-setup-stamp; edit either and pip runs again).
 # On a cluster, inside an NGC PyTorch container, do NOT run this script: see README
-# ("Installing into an NGC container"), which keeps the container's torch, TE and apex.
+# ("Container image": docker/Dockerfile), which keeps the container's torch, TE and apex.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$here/.venv}
@@ -64,4 +64,4 @@ fi
 "${pip[@]}" install -e "$here[test]" ${nvrx[@]+"${nvrx[@]}"}
 [ -n "${tmp:-}" ] && rm -rf "$tmp"
 echo "$stamp" > "$stamp_file"
-echo "setup: ready: $VENV ($("$VENV/bin/python" -c 'import torch, megatron.core as c; print("torch", torch.__version__, "megatron-core", c.__version__)'))"
+echo "setup: ready: $VENV ($("$VENV/bin/python" -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "megatron-core", "nvidia-resiliency-ext", "nvidia-modelopt")))'))"
