@@ -321,7 +321,10 @@ def build(args: argparse.Namespace) -> Stats:
         ok = True
     finally:
         if pool is not None:
-            pool.terminate() if not ok else pool.close()
+            if ok:
+                pool.close()
+            else:
+                pool.terminate()
             pool.join()
         if not ok:
             for key, builder in builders.items():
