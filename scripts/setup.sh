@@ -5,9 +5,10 @@
 #   VENV=/path scripts/setup.sh # another location
 #   PYTHON=/usr/bin/python3.12 scripts/setup.sh
 #
-# Idempotent: a second run with everything in place takes a few seconds.
+# Idempotent: a second run with everything in place returns in well under a second (a stamp of
+# pyproject.toml and the NVRx pin in $VENV/.megatron-setup-stamp; edit either and pip runs again).
 # On a cluster, inside an NGC PyTorch container, do NOT run this script: see README
-# ("Installing into an NGC container"), which keeps the container's torch, TE and apex.
+# ("Container image": docker/Dockerfile), which keeps the container's torch, TE and apex.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$here/.venv}
@@ -23,6 +24,17 @@ find_python() {
   echo "setup: Python 3.12 not found (megatron-core >= 0.17 needs it); set PYTHON=/path/to/python3.12" >&2
   exit 1
 }
+
+# Nothing to do when the environment was set up from exactly this pyproject.toml (and NVRx pin) and
+# the project is still installed: compare a stamp instead of re-running pip (~30 s).
+stamp_file=$VENV/.megatron-setup-stamp
+stamp=$( { cat "$here/pyproject.toml"; echo "nvrx=$NVRX_VERSION"; } | sha256sum | cut -d' ' -f1)
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] \
+   && "$VENV/bin/python" -c "import importlib.metadata as m; m.version('megatron-lm-fixed'); assert m.version('nvidia-resiliency-ext')=='$NVRX_VERSION'" 2>/dev/null; then
+  echo "setup: $VENV is up to date (pyproject.toml and the NVRx pin unchanged since its setup)"
+  exit 0
+fi
+rm -f "$stamp_file"
 
 if [ ! -x "$VENV/bin/python" ]; then
   py=$(find_python)
@@ -51,4 +63,5 @@ fi
 # The project and its pins (pyproject.toml, one resolver run); [test] adds pytest.
 "${pip[@]}" install -e "$here[test]" ${nvrx[@]+"${nvrx[@]}"}
 [ -n "${tmp:-}" ] && rm -rf "$tmp"
-echo "setup: ready: $VENV ($("$VENV/bin/python" -c 'import torch, megatron.core as c; print("torch", torch.__version__, "megatron-core", c.__version__)'))"
+echo "$stamp" > "$stamp_file"
+echo "setup: ready: $VENV ($("$VENV/bin/python" -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "megatron-core", "nvidia-resiliency-ext", "nvidia-modelopt")))'))"

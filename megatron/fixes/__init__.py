@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 
 from megatron.fixes.base import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
 
@@ -24,6 +25,8 @@ FIX_MODULES = (
     "megatron.fixes.modelopt_moe",
     "megatron.fixes.fsdp_dtensor",
     "megatron.fixes.distopt_resume",
+    "megatron.fixes.training_log",
+    "megatron.fixes.help_text",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]
@@ -58,12 +61,32 @@ def apply() -> dict[str, FixStatus]:
 
     Fixes named in ``$MEGATRON_FIXES_DISABLE`` are left out (status ``NOT_APPLIED``, with a warning).
 
+    Leaves no process-group state behind: ``torch.distributed.is_initialized()`` is what it was
+    before the call, and ``sys.excepthook`` too (``init_process_group`` installs a hook that
+    prefixes tracebacks with ``[rankN]:``; a capability probe that needs a group starts a private
+    1-rank one and must not leave it, nor its ``[rank0]:`` prefix, to the job).
+
     Returns:
         fix name -> :class:`FixStatus`.
 
     Raises:
         UnsupportedUpstreamError: an upstream version outside a fix's pin that still has the defect.
     """
+    import torch.distributed as dist
+
+    was_initialized = dist.is_available() and dist.is_initialized()
+    hook = sys.excepthook
+    try:
+        return _apply_all()
+    finally:
+        if dist.is_available() and dist.is_initialized() and not was_initialized:
+            logging.getLogger("megatron.fixes").warning(
+                "a fix left a process group initialised; destroying it")
+            dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def _apply_all() -> dict[str, FixStatus]:
     off = disabled()
     statuses = {}
     for fix in fixes():

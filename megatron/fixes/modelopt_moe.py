@@ -1069,16 +1069,24 @@ class _FakeGroup:
 
 @contextlib.contextmanager
 def _some_process_group() -> Iterator[None]:
-    """torch.distributed initialised (a private 1-rank gloo group if it was not)."""
+    """torch.distributed initialised (a private 1-rank gloo group if it was not).
+
+    Leaves no trace of the private group: it is destroyed afterwards, and the ``sys.excepthook``
+    that ``init_process_group`` installs (it prefixes every traceback line with ``[rank0]:``, the
+    rank of the private group) is put back, so the job's real group prints ``[rank1]:``, not
+    ``[rank1]: [rank0]:``.
+    """
     if torch.distributed.is_initialized():
         yield
         return
+    hook = sys.excepthook
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:
         torch.distributed.destroy_process_group()
+        sys.excepthook = hook
 
 
 def probe_upstream_expert_replica_ids(linear_sharded_state_dict: Callable) -> tuple | None:

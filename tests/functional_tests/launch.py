@@ -315,3 +315,21 @@ def start_lines(output: str) -> dict[int, list[str]]:
             rank = int(ln.split()[2].rstrip(":"))
             out.setdefault(rank, []).append(ln)
     return out
+
+
+def printed_losses(output: str, key: str = "lm loss") -> dict[int, str]:
+    """iteration -> the ``key`` value exactly as upstream's log line printed it (``%.6E`` text)."""
+    import re
+
+    pattern = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? " + re.escape(key) + r": (\S+) \|")
+    return {int(m.group(1)): m.group(2) for m in map(pattern.search, output.splitlines()) if m}
+
+
+def assert_printed_losses_match_log(run: Run, key: str = "lm loss") -> None:
+    """Every iteration's printed ``key`` (upstream's log line) is the value ``--loss-log`` recorded
+    for that iteration, to the 7 significant digits printed."""
+    printed = printed_losses(run.output, key)
+    assert sorted(printed) == sorted(run.losses), (sorted(printed), sorted(run.losses))
+    wrong = {i: (p, f"{run.losses[i][f'{key} (decimal)']:.6E}") for i, p in printed.items()
+             if p != f"{run.losses[i][f'{key} (decimal)']:.6E}"}
+    assert not wrong, f"printed {key} != --loss-log value (iteration: printed, logged): {wrong}"

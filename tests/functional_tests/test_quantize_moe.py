@@ -106,11 +106,13 @@ def losses(run: Run, iterations) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory):
-    from tools.preprocess_data import build
+    from tools.preprocess_data import preprocess
 
     root = tmp_path_factory.mktemp("quantize_moe")
-    data = root / "data" / "corpus"
-    build(sysconfig.get_paths()["stdlib"] + "/json", str(data), "*.py", progress=False)
+    preprocess(["--input", sysconfig.get_paths()["stdlib"] + "/json", "--pattern", "*.py",
+                "--output-prefix", str(root / "data" / "corpus"), "--tokenizer-type",
+                "ByteLevelTokenizer", "--append-eod", "--no-progress"])
+    data = root / "data" / "corpus_text_document"
 
     base = run_pretrain(root / "base", *MOE, *SAVED_AT, "--train-iters", "6",
                         "--save", str(root / "ckpt"), "--save-interval", "5")

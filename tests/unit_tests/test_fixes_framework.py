@@ -93,6 +93,7 @@ def test_every_fix_declares_its_patches_and_targets_the_pins():
         assert fix.version_supported(version), (fix.name, fix.supported, version)
 
 
+@pytest.mark.slow
 def test_pinned_upstream_still_has_every_defect():
     """In a fresh process (no fix applied yet): the pinned upstream still has each defect. A fix
     that stood aside here would mean the guard tests no longer prove anything."""
@@ -104,10 +105,11 @@ def test_pinned_upstream_still_has_every_defect():
     assert "BEHAVES []" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_cli_lists_fixes():
     out = subprocess.run([sys.executable, "-m", "megatron.fixes"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume"):
+    for name in ("replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume", "training_log", "help_text"):
         assert f"{name}:" in out.stdout
-    assert out.stdout.count("status:    active") == 4
+    assert out.stdout.count("status:    active") == 6

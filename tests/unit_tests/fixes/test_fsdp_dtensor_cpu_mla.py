@@ -69,12 +69,14 @@ def test_core_attention_unsupported_inputs():
         CpuMLACoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
 
 
+@pytest.mark.slow
 def test_mla_layers_from_local_spec_on_cpu_backend():
     """Upstream's local spec fails on k_channels; swapped, MLA and fused MLA layers build, run
     forward/backward, and agree when the fused weight is the concatenation of the unfused ones."""
     run_distributed(fsdp_cpu_mla_bodies.mla_layers, 1, timeout=300)
 
 
+@pytest.mark.slow
 def test_gpt_builder_builds_fused_mla_and_mtp_after_adapt_model_config():
     """megatron.cpu.specs.adapt_model_config: upstream's GPTModelBuilder builds (fused) MLA in the
     decoder and in the MTP layer with CpuMLACoreAttention; forward/backward finite."""

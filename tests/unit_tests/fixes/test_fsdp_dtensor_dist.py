@@ -20,6 +20,8 @@ from tests.helpers.dist import run_distributed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers, also in spawned ranks
 import fsdp_scenarios  # noqa: E402
 
+pytestmark = pytest.mark.slow  # several processes: not in the quick lane
+
 
 @pytest.mark.parametrize("world,tp", [(2, 1), (3, 1), (4, 2)], ids=["W2", "W3", "W4-tp2"])
 def test_fsdp_dtensor_mla_mtp_roundtrips(tmp_path, world, tp):

@@ -7,10 +7,14 @@ diverges at the second iteration after the load); load + step is bitwise equal t
 import os
 import sys
 
+import pytest
+
 from tests.helpers.dist import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers, also in spawned ranks
 import fsdp_empty_shard_bodies as bodies  # noqa: E402
+
+pytestmark = pytest.mark.slow  # several processes: not in the quick lane
 
 
 def test_upstream_ranks_pack_different_optimizer_keys():

@@ -18,6 +18,8 @@ from tests.helpers.dist import run_distributed
 
 import modelopt_moe_cases as cases
 
+pytestmark = pytest.mark.slow  # several processes: not in the quick lane
+
 
 def _launch(world_size: int, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"modelopt_moe_ws{world_size}")

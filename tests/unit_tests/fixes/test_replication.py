@@ -22,6 +22,8 @@ from tests.helpers.dist import run_distributed
 
 import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
 
+pytestmark = pytest.mark.slow  # several processes: not in the quick lane
+
 WORLD = 2
 ITER = 1
 

@@ -1,0 +1,85 @@
+"""Fix: ``pretrain_gpt.py --help`` crashes on an unescaped ``%`` in an upstream help string.
+
+megatron-core 0.19.2 declares ``--moe-paged-stash-buffer-size-factor-cuda`` with the help text
+``... (e.g. 1.10 = 10%).``. argparse expands help strings with ``%`` formatting (``%(default)s``),
+so formatting the help of that argument raises ``ValueError: unsupported format character ')'``:
+``--help`` of every upstream entrypoint fails instead of printing the usage.
+
+The replacement wraps ``megatron.training.arguments.add_megatron_arguments`` (``parse_args`` calls
+it through the module global): after upstream has added its arguments, every help string that
+argparse cannot expand gets each ``%`` that does not start a ``%(name)s`` reference doubled.
+Arguments whose help expands already are left exactly as upstream wrote them.
+
+Detection of a fixed upstream is by capability: every help string of upstream's parser expands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+
+from megatron.fixes.base import Fix, Patcher, PatchSpec
+
+_TARGET = "megatron.training.arguments.add_megatron_arguments"
+_BARE_PERCENT = re.compile(r"%(?!\(\w+\)[a-z]|%)")
+
+
+def unexpandable_help(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions of ``parser`` whose help string argparse cannot expand (``--help`` would raise)."""
+    formatter = parser._get_formatter()
+    bad = []
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            bad.append(action)
+    return bad
+
+
+def escape_help(parser: argparse.ArgumentParser) -> list[str]:
+    """Double every bare ``%`` in the help strings argparse cannot expand.
+
+    Returns:
+        the first option string of each action changed.
+    """
+    changed = []
+    for action in unexpandable_help(parser):
+        action.help = _BARE_PERCENT.sub("%%", action.help)
+        changed.append(action.option_strings[0] if action.option_strings else action.dest)
+    return changed
+
+
+class HelpTextFix(Fix):
+    name = "help_text"
+    title = "--help works: bare % in upstream help strings escaped"
+    upstream_refs = ("megatron-core arguments.py --moe-paged-stash-buffer-size-factor-cuda help '10%)'",)
+    package = "megatron-core"
+    supported = "==0.19.2"
+    patches = (
+        PatchSpec(_TARGET, "megatron.fixes.help_text (then escape_help on the parser)",
+                  "an unescaped % in a help string makes argparse raise ValueError on --help"),
+    )
+
+    def upstream_behaves(self) -> bool:
+        from megatron.training import arguments
+
+        return not unexpandable_help(arguments.add_megatron_arguments(argparse.ArgumentParser()))
+
+    def install(self, patcher: Patcher) -> None:
+        from megatron.training import arguments
+
+        upstream = arguments.add_megatron_arguments
+
+        @functools.wraps(upstream)
+        def add_megatron_arguments(parser):
+            parser = upstream(parser)
+            escape_help(parser)
+            return parser
+
+        patcher.replace(arguments, "add_megatron_arguments", add_megatron_arguments)
+
+
+FIX = HelpTextFix()

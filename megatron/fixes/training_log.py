@@ -1,0 +1,88 @@
+"""Fix: the printed ``lm loss`` of the second iteration after every start averages two iterations.
+
+megatron-core 0.19.2's ``megatron.training.training.training_log`` prints a line at every
+``--log-interval`` iteration and, in addition, at the first iteration of each start
+(``is_first_iteration``, to show the initialisation overhead). For that first line it sets
+``should_reset = not is_first_iteration``: the loss accumulators, the skipped/NaN counters and the
+interval timer are *not* reset after it, so that the next interval line still covers the whole
+interval. That is right when the first iteration is not itself an interval boundary, but wrong when
+it is (``--log-interval 1``, or a resume at an iteration just before a multiple of the interval):
+then the first line is a regular interval line that is not reset, and the next line averages the
+two intervals. With ``--log-interval 1`` the line of the second iteration after every start prints
+the mean of the first two iterations' losses (and the mean of their times), so it disagrees with
+``--loss-log`` and makes a correct resume look wrong.
+
+The replacement wraps ``training_log``: when ``is_first_iteration`` is set on an iteration that is
+a multiple of ``--log-interval``, it passes ``is_first_iteration=False``. That line is printed
+either way (upstream prints every interval line), and everything upstream resets after an interval
+line is reset after it; a first line between interval boundaries keeps upstream's behaviour. The
+only other use of the flag (skipping the iteration time in TensorBoard/W&B for the first line)
+then also follows the regular schedule, which is what an interval line does.
+
+``train()`` calls ``training_log`` through the module global, so replacing the attribute of
+``megatron.training.training`` is enough. Detection of a fixed upstream is by source capability:
+the unconditional ``should_reset = not is_first_iteration`` gone from ``training_log``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from megatron.fixes.base import Fix, Patcher, PatchSpec
+
+_TARGET = "megatron.training.training.training_log"
+_DEFECT = "should_reset = not is_first_iteration\n"
+
+
+def first_line_is_interval_line(iteration: int, log_interval: int | None) -> bool:
+    """True when ``iteration`` (int, >= 1) is an interval boundary (``--log-interval``; ``None``
+    or 0 counts as 1), i.e. its log line covers a regular interval and must reset the accumulators
+    as every interval line does."""
+    return iteration % max(1, int(log_interval or 1)) == 0
+
+
+class TrainingLogFix(Fix):
+    name = "training_log"
+    title = "printed loss of the first interval line after a start is reset like every other"
+    upstream_refs = ("megatron-core training.py training_log: should_reset = not is_first_iteration",)
+    package = "megatron-core"
+    supported = "==0.19.2"
+    patches = (
+        PatchSpec(_TARGET,
+                  "megatron.fixes.training_log (is_first_iteration=False on interval boundaries)",
+                  "the first log line after a start is not reset even when it is an interval line, so "
+                  "the next printed loss and time average two intervals"),
+    )
+
+    def upstream_behaves(self) -> bool:
+        from megatron.training import training
+
+        return _DEFECT not in inspect.getsource(training.training_log)
+
+    def install(self, patcher: Patcher) -> None:
+        from megatron.training import training
+        from megatron.training import global_vars
+
+        upstream = training.training_log
+        position = list(inspect.signature(upstream).parameters).index("is_first_iteration")
+
+        @functools.wraps(upstream)
+        def training_log(*args, **kwargs):
+            iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
+            if len(args) > position:
+                first = args[position]
+            else:
+                first = kwargs.get("is_first_iteration", False)
+            if first and iteration is not None and first_line_is_interval_line(
+                    iteration, global_vars.get_args().log_interval):
+                if len(args) > position:
+                    args = args[:position] + (False,) + args[position + 1:]
+                else:
+                    kwargs["is_first_iteration"] = False
+            return upstream(*args, **kwargs)
+
+        patcher.replace(training, "training_log", training_log)
+
+
+FIX = TrainingLogFix()
