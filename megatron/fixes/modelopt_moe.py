@@ -792,7 +792,6 @@ def latest_checkpoint_dir(load_dir: str | None) -> str | None:
     upstream's ``read_metadata`` (an all-reduce over the default group when initialised: call
     on every rank)."""
     from megatron.training import checkpointing as ckpt
-    from megatron.training import get_args
 
     if not load_dir:
         return None
@@ -800,7 +799,7 @@ def latest_checkpoint_dir(load_dir: str | None) -> str | None:
     if not os.path.isfile(tracker):
         return None
     iteration, release = ckpt.read_metadata(tracker)
-    step = getattr(get_args(), "ckpt_step", None)
+    step = getattr(ckpt.get_args(), "ckpt_step", None)  # as load_checkpoint reads it
     if step:
         iteration, release = step, False
     return ckpt.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
@@ -952,15 +951,14 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
     def save_checkpoint(*args, **kwargs):
         """Megatron ``save_checkpoint``; a local (non-persistent) checkpoint also stores the
         model's ModelOpt state (``megatron.fixes.modelopt_moe``). Arguments and return value as
-        upstream."""
-        from megatron.training import get_args
-
+        upstream; the configuration is read as upstream's function reads it
+        (``megatron.training.checkpointing.get_args``, which callers and upstream's tests patch)."""
         bound = signature.bind_partial(*args, **kwargs)
-        local = (bool(bound.arguments.get("non_persistent_ckpt", False))
-                 and get_args().non_persistent_ckpt_type == "local")
-        if not local:
+        if not bound.arguments.get("non_persistent_ckpt", False):
             return original(*args, **kwargs)
         ckpt = sys.modules[_CKPT]
+        if getattr(ckpt.get_args(), "non_persistent_ckpt_type", None) != "local":
+            return original(*args, **kwargs)
         had = getattr(ckpt, "has_nvidia_modelopt", False)
         token = _LOCAL_SAVE.set(True)
         # Upstream's local branch only prints "Local checkpointing does not support

@@ -138,3 +138,33 @@ def test_modelopt_moe_expert_quantizer_sharded_tensor():
     assert split.data is st.data and split.key == st.key
     rep = mm.expert_quantizer_sharded_tensor(st, None, tp_rank=1, tp_size=2, replica_rank=0)
     assert (rep.global_shape, rep.global_offset, rep.replica_id) == ((4, 1), (0, 0), (0, 1, 0))
+
+
+def test_save_checkpoint_wrapper_reads_args_as_upstream_does(monkeypatch):
+    """A caller that works with upstream's ``save_checkpoint`` (``checkpointing.get_args`` patched,
+    no global args: upstream's own dist_checkpointing tests) works with the fork's wrapper; the
+    global ``megatron.training.get_args`` it used to call raises there."""
+    import types
+
+    from megatron.training import checkpointing, global_vars
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    with pytest.raises(AssertionError, match="args is not initialized"):
+        global_vars.get_args()  # what the wrapper called before: every non-persistent save failed
+    seen = []
+
+    def upstream(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                 checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                 pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                 train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False):
+        seen.append((iteration, non_persistent_ckpt, checkpointing.has_nvidia_modelopt))
+
+    wrapped = mm._wrap_save_checkpoint(upstream)
+    had = getattr(checkpointing, "has_nvidia_modelopt", False)
+    for kind in ("global", "local"):
+        monkeypatch.setattr(checkpointing, "get_args", lambda kind=kind: types.SimpleNamespace(
+            non_persistent_ckpt_type=kind))
+        wrapped(3, None, None, None, 0, non_persistent_ckpt=True)
+    wrapped(4, None, None, None, 0)  # persistent: args not even read
+    assert seen == [(3, True, had), (3, True, False), (4, False, had)]
+    assert checkpointing.has_nvidia_modelopt == had
