@@ -154,8 +154,9 @@ def validate_fork_args(args: argparse.Namespace) -> None:
 
 def check_run_setup(args: argparse.Namespace) -> None:
     """Refuse, on every rank and before any model is built, a start whose setup would fail late or
-    lose work: no training data (:func:`megatron.training_ext.data_checks.check_data_args`), or a
-    ``--save`` holding checkpoints this run does not load
+    lose work: ``--inprocess-restart`` (silently ignored by upstream's flag handling here), no
+    training data (:func:`megatron.training_ext.data_checks.check_data_args`), or a ``--save``
+    holding checkpoints this run does not load
     (:func:`megatron.training_ext.persistent_tier.check_save_dir`).
 
     Raises:
@@ -163,6 +164,12 @@ def check_run_setup(args: argparse.Namespace) -> None:
     """
     from megatron.training_ext import data_checks, persistent_tier
 
+    if getattr(args, "inprocess_restart", False):
+        raise SystemExit("pretrain_gpt.py: --inprocess-restart is not supported by this entrypoint "
+                         "(upstream's flag would be ignored: nothing wraps the training function, "
+                         "and the local tier's per-process decisions would carry over between "
+                         "attempts); restart in place with ft_launcher's in-job restart instead "
+                         "(examples/ft_launcher, README)")
     data_checks.check_data_args(args)
     persistent_tier.check_save_dir(args)
 

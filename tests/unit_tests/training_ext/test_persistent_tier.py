@@ -192,3 +192,12 @@ def test_integrity_flags_reach_the_policy():
         pt.uninstall()
     with pytest.raises(SystemExit, match="contradict each other"):
         validate_fork_args(parser.parse_args(["--verify-integrity", "--no-verify-integrity"]))
+
+
+def test_inprocess_restart_is_refused_naming_ft_launcher():
+    from megatron.training_ext.args import check_run_setup
+
+    args = _args(inprocess_restart=True, mock_data=True)
+    with pytest.raises(SystemExit, match="--inprocess-restart is not supported.*ft_launcher's in-job restart"):
+        check_run_setup(args)
+    check_run_setup(_args(inprocess_restart=False, mock_data=True))
