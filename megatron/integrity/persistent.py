@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.integrity._readahead import ReadAhead
+from megatron.integrity.manifest import INTEGRITY_FNAME  # one definition (megatron-core's name)
 from megatron.integrity.report import Problem
 
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
     "resolve_persistent_dir",
 ]
 
-INTEGRITY_FNAME = "integrity.json"
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
 

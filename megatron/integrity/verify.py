@@ -1007,13 +1007,10 @@ def _manifest_names(manifest: dict) -> List[str]:
     return sorted(manifest.get("files", {}))
 
 
-def _check_manifest_files(pc: PersistentCheckpoint, names: Sequence[str], manifest: dict, part: _Partial,
-                          single_process: bool) -> None:
-    """Verify ``names`` of the checkpoint's ``integrity.json``: this fork's ``xxh3-64-blocks``
-    (a bad file is named with the byte range that differs) or megatron-core's ``sha256``
-    (:func:`megatron.integrity.manifest.check_files`). ``single_process`` is unused (each rank
-    checks its share)."""
-    del single_process
+def _check_manifest_files(pc: PersistentCheckpoint, names: Sequence[str], manifest: dict, part: _Partial) -> None:
+    """Verify ``names`` (this rank's share) of the checkpoint's ``integrity.json``: this fork's
+    ``xxh3-64-blocks`` (a bad file is named with the byte range that differs) or megatron-core's
+    ``sha256`` (:func:`megatron.integrity.manifest.check_files`)."""
     if manifest.get("algorithm", "sha256") not in (_manifest.ALGORITHM, _manifest.UPSTREAM_ALGORITHM):
         part.manifest_failed.append(("*", f"unsupported algorithm {manifest.get('algorithm')!r} in integrity.json"))
         return
@@ -1284,7 +1281,7 @@ def _verify(local_dir, persistent_dir, iteration, check_nonfinite, verify_manife
     ra = ReadAhead(readahead)
     try:
         if my_manifest:
-            _check_manifest_files(pc, my_manifest, manifest, part, single_process=(world == 1))
+            _check_manifest_files(pc, my_manifest, manifest, part)
             if step:
                 step(sum(_size(pc.path / n) for n in my_manifest))
         # one file of look-ahead: file k+1 is opened and its ranges queued before file k is checked
