@@ -16,8 +16,12 @@ torch level
     streams, events, synchronize, memory statistics, device properties).
   * A faithful stand-in for the CUDA RNG: a dedicated CPU ``torch.Generator`` plays
     ``torch.cuda.default_generators[0]`` (``torch.cuda.get_rng_state``/``set_rng_state``/
-    ``manual_seed`` act on it), and dropout-type random ops run on it by swapping it in for the CPU
-    default generator for the duration of the op. So the CPU generator (initialisation, data) and
+    ``manual_seed`` act on it), and every random op that a GPU run would run on the GPU (its tensor
+    stands in for a GPU tensor, or it names a CUDA device) runs on it by swapping it in for the CPU
+    default generator for the duration of the op: factories, in-place methods (``normal_``,
+    ``uniform_``, ...), dropout, ``torch.nn.init``, ``torch.distributions`` samplers. The set of
+    random ops comes from torch's operator registry (:func:`random_callables`); which tensors are
+    host tensors follows :func:`is_host_tensor`. So the CPU generator (initialisation, data) and
     the "CUDA" generator (dropout, the model-parallel RNG tracker's states) are separate streams
     exactly as on a GPU, both are saved in checkpoints by upstream's own code, and a resumed run is
     bitwise identical to an uninterrupted one, dropout included.
@@ -44,6 +48,7 @@ import os
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -243,25 +248,185 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 _T = torch.Tensor
-_F = torch.nn.functional
-_DROPOUT_FUNCS = frozenset(
-    f for f in (
-        _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout,
-        torch.dropout, torch.bernoulli, _T.bernoulli, _T.bernoulli_,
-    )
-)
-_RANDOM_FACTORIES = frozenset((torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal,
-                               torch.rand_like, torch.randn_like, torch.randint_like))
 _NOOP_METHODS = frozenset((_T.pin_memory, _T.record_stream))
 
 
+# ----------------------------------------------------------------------------------------------
+# Which random ops draw from which generator
+# ----------------------------------------------------------------------------------------------
+#: Namespaces whose attribute of an aten op's name is that op's Python binding.
+_BINDING_NAMESPACES = (torch, torch.Tensor, torch.nn.functional, torch._C._nn, torch.special, torch.nn.init)
+#: Modules whose pure-Python functions may call seeded ops inside (then the torch function mode sees
+#: only the outer call: ``nn.init.normal_`` runs ``Tensor.normal_`` with the mode off).
+_WRAPPER_MODULES = (torch.nn.functional, torch.nn.init)
+
+
+def seeded_aten_ops() -> frozenset[str]:
+    """Names of the aten operators that draw random numbers (tag ``nondeterministic_seeded``), from
+    torch's operator registry, e.g. ``normal_``, ``dropout``, ``multinomial``, ``_standard_gamma``,
+    ``scaled_dot_product_attention``; enumerated programmatically, so an op added by a later torch
+    is covered without a change here."""
+    names = set()
+    for schema in torch._C._jit_get_all_schemas():
+        if not schema.name.startswith("aten::"):
+            continue
+        name = schema.name[len("aten::"):]
+        if name in names:
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            if torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags:
+                names.add(name)
+                break
+    return frozenset(names)
+
+
+def _calls_seeded(code: types.CodeType, module: Any, seeded: frozenset[str], seen: set) -> bool:
+    if code in seen:
+        return False
+    seen.add(code)
+    if seeded.intersection(code.co_names):
+        return True
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    for name in code.co_names:  # module-level helpers, e.g. nn.init.normal_ -> _no_grad_normal_
+        helper = vars(module).get(name)
+        if isinstance(helper, types.FunctionType) and helper.__module__ == module.__name__:
+            nested.append(helper.__code__)
+    return any(_calls_seeded(c, module, seeded, seen) for c in nested)
+
+
+@functools.lru_cache(maxsize=1)
+def random_callables() -> frozenset:
+    """Every Python callable of torch that draws random numbers without an explicit generator
+    argument being required: the bindings of :func:`seeded_aten_ops` in ``torch``, ``Tensor``,
+    ``torch.nn.functional``, ``torch._C._nn``, ``torch.special``, ``torch.nn.init``, plus the
+    pure-Python functions of ``torch.nn.functional`` and ``torch.nn.init`` whose code (or a helper
+    of the same module) calls one of them by name (``F.dropout``, ``F.gumbel_softmax``,
+    ``nn.init.kaiming_uniform_``, ...). ``torch.distributions`` needs no entry: its samplers call
+    ``torch.rand``/``_standard_gamma``/... at the top level, where the mode sees them."""
+    seeded = seeded_aten_ops()
+    out = set()
+    for ns in _BINDING_NAMESPACES:
+        for name in seeded:
+            f = getattr(ns, name, None)
+            if callable(f):
+                out.add(f)
+
+    def draws(f: types.FunctionType, module: Any) -> bool:
+        if _calls_seeded(f.__code__, module, seeded, set()):
+            return True
+        # boolean_dispatch wrappers (F.fractional_max_pool2d) hold their targets in a closure
+        cells = [c.cell_contents for c in (f.__closure__ or ()) if c.cell_contents is not f]
+        return any(g in out or isinstance(g, types.FunctionType) and draws(g, module)
+                   for g in cells if callable(g))
+
+    for module in _WRAPPER_MODULES:
+        for f in list(vars(module).values()):
+            if isinstance(f, types.FunctionType) and f.__module__ == module.__name__ \
+                    and draws(f, module):
+                out.add(f)
+    return frozenset(out)
+
+
+_RANDOM: list[frozenset] = [frozenset()]  # random_callables(), set by activate()
+
+#: Tensors a GPU run keeps in host memory (see :func:`is_host_tensor`): id -> weak reference
+#: (a ``WeakSet`` would compare tensors with ``==``).
+_HOST: dict[int, weakref.ref] = {}
+
+
+def _in_host(t: torch.Tensor) -> bool:
+    ref = _HOST.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _add_host(t: torch.Tensor) -> None:
+    key = id(t)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _HOST.get(key) is ref:
+            del _HOST[key]
+
+    _HOST[key] = weakref.ref(t, forget)
+
+
+def _discard_host(t: torch.Tensor) -> None:
+    if _in_host(t):
+        del _HOST[id(t)]
+
+
+#: What ``Tensor.device`` answers for a stand-in GPU tensor: a CPU device equal to any other, but
+#: this very object, so that ``torch.rand(..., device=t.device)`` is known to target the "GPU".
+GPU_DEVICE = torch.device("cpu")
+_DEVICE_GETTER = type(torch.Tensor.device.__get__)
+_DEVICE_DESCRIPTOR = torch.Tensor.__dict__.get("device") or torch._C.TensorBase.__dict__["device"]
+_TO_HOST = frozenset((_T.cpu, _T.to))
+
+
+def is_host_tensor(t: torch.Tensor) -> bool:
+    """True if ``t`` stands in for a tensor that a GPU run holds in host memory.
+
+    Rule (what a GPU run does): a tensor made by a factory without a ``device`` (torch's default
+    device is the CPU) or with a CPU device that did not come from a stand-in GPU tensor's
+    ``.device``, a copy made by ``.cpu()``/``.to("cpu")``, and results of ops whose tensor arguments
+    are all such tensors (views, ``clone``, arithmetic; one GPU tensor among them makes a GPU result,
+    as mixing is legal on a GPU only with 0-dim host tensors). ``.cuda()``/``.to("cuda")`` makes it a GPU
+    tensor again. Every other tensor (parameters after ``model.cuda()``, activations, gradients,
+    anything made with a CUDA device) stands in for a GPU tensor.
+    """
+    return _in_host(t)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (tuple, list)) and a and isinstance(a[0], torch.Tensor):
+            return a[0]  # torch.cat([...]), torch.stack([...])
+    if not args:  # handle_torch_function(f, (t,), tensor=t, ...) passes everything by keyword
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                return a
+    return None
+
+
+def _any_gpu_tensor(args: tuple, kwargs: dict) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if not _in_host(a):
+                return True
+        elif isinstance(a, (tuple, list)):
+            if any(isinstance(x, torch.Tensor) and not _in_host(x) for x in a):
+                return True
+    return False
+
+
+def _mark_host(out: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        _add_host(out)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                _add_host(o)
+
+
 class CudaToCpuMode(TorchFunctionMode):
-    """Maps CUDA devices to CPU for every torch function called while the mode is active."""
+    """Maps CUDA devices to CPU for every torch function called while the mode is active, and runs
+    every random op that targets a stand-in GPU tensor (or a CUDA device) on the CUDA stand-in
+    generator (see :func:`random_callables`, :func:`is_host_tensor`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if type(func) is _DEVICE_GETTER and func.__self__ is _DEVICE_DESCRIPTOR:
+            device = func(*args)
+            if device.type == "cpu" and not (_HOST and _in_host(args[0])):
+                return GPU_DEVICE
+            return device
         kwargs = dict(kwargs) if kwargs else {}
         if func is _T.cuda:
             _log_once("Tensor.cuda()")
+            _discard_host(args[0])
             return args[0]
         if func in _NOOP_METHODS:
             _log_once(f"Tensor.{func.__name__}()")
@@ -274,23 +439,47 @@ class CudaToCpuMode(TorchFunctionMode):
                 _log_once("Tensor.type() (answers torch.cuda.*Tensor)")
                 return "torch.cuda." + name[len("torch."):]
             return name
-        cuda_requested = False
-        device = kwargs.get("device")
-        if device is not None and _is_cuda_device(device):
-            _log_once(f"device={device!r} in {getattr(func, '__name__', func)}")
-            kwargs["device"] = "cpu"
-            cuda_requested = True
+        on_gpu = None  # None: decided by the first tensor argument
+        device = kwargs.get("device", None)
+        if device is not None:
+            if _is_cuda_device(device):
+                _log_once(f"device={device!r} in {getattr(func, '__name__', func)}")
+                kwargs["device"] = "cpu"
+                on_gpu = True
+            else:
+                on_gpu = device is GPU_DEVICE
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func is _T.to and len(args) > 1:
             first = args[1]
-            if not isinstance(first, (torch.dtype, torch.Tensor)) and _is_cuda_device(first):
-                _log_once("Tensor.to(cuda)")
-                args = (args[0], "cpu") + tuple(args[2:])
-        if func in _DROPOUT_FUNCS or (cuda_requested and func in _RANDOM_FACTORIES):
+            if not isinstance(first, (torch.dtype, torch.Tensor)) and first is not None:
+                if _is_cuda_device(first):
+                    _log_once("Tensor.to(cuda)")
+                    args = (args[0], "cpu") + tuple(args[2:])
+                    on_gpu = True
+                else:
+                    on_gpu = first is GPU_DEVICE
+        target = _first_tensor(args, kwargs)
+        if func is _T.cpu:
+            on_gpu = False
+        if on_gpu is None:
+            # No device named: a factory (no tensor argument) makes a host tensor, as torch's
+            # default device is the CPU on a GPU machine too; otherwise the op runs on the GPU if
+            # any tensor argument is a GPU one (mixing is legal on GPU only for 0-dim host ones).
+            on_gpu = target is not None and not (_HOST and _in_host(target) and
+                                                 not _any_gpu_tensor(args, kwargs))
+        if func in _RANDOM[0] and kwargs.get("generator") is None and on_gpu:
             with cuda_generator_as_default():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if on_gpu:
+            if func is _T.to and out is target:
+                _discard_host(target)
+        elif out is not target and (target is None or func in _TO_HOST or _in_host(target)
+                                    or device is not None):  # a host op: its results stay on host
+            _mark_host(out)
+        return out
 
 
 def _in_mode(fn):
@@ -443,6 +632,7 @@ def activate() -> None:
     p.replace(BackwardCFunction, "apply", _in_mode(BackwardCFunction.apply))
 
     _install_megatron_patches(p)
+    _RANDOM[0] = random_callables()
     _CUDA_GENERATOR.manual_seed(0)
     mode = CudaToCpuMode()
     mode.__enter__()

@@ -37,9 +37,10 @@ SCRIPT = textwrap.dedent(
     F.apply(torch.ones(2, requires_grad=True)).sum().backward()
     assert seen == ["cpu", "cpu"], seen
 
-    # the CUDA RNG stand-in: dropout draws from it, not from the CPU generator (torch.manual_seed
-    # seeds both, as on a GPU, so seed the CPU first)
-    drop = torch.nn.functional.dropout
+    # the CUDA RNG stand-in: dropout on a stand-in GPU tensor draws from it, not from the CPU
+    # generator (torch.manual_seed seeds both, as on a GPU, so seed the CPU first)
+    _drop = torch.nn.functional.dropout
+    drop = lambda x, p: _drop(x.cuda(), p)
     torch.manual_seed(1); torch.cuda.manual_seed(7)
     a = drop(torch.ones(1000), 0.5)
     torch.manual_seed(2); torch.cuda.manual_seed(7)     # other CPU seed: same mask
