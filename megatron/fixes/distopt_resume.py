@@ -22,7 +22,8 @@ containers without them) or when parameters are fp32 (no ``--bf16``/``--fp16``):
    param-group step, one tensor per parameter.
 
 Detection of a fixed upstream is by source capability: the step assertion gone from ``state_dict``
-and the copy already under ``no_grad``.
+and the copy already under ``no_grad``. The fully-reshardable format
+(``--dist-ckpt-optim-fully-reshardable``) and topology changes: fix ``distopt_reshard``.
 """
 
 from __future__ import annotations
