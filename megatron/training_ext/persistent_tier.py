@@ -299,7 +299,9 @@ def _no_fallback_advice(failed: Path, user_step, failures) -> str:
 
 def install(args: Any) -> None:
     """Install checksums at save, verification at load and the fallback, for ``args``
-    (``install_training_hooks`` calls it). Idempotent: a second call only updates the policy.
+    (``install_training_hooks`` calls it). Idempotent: a second call (a new start of training
+    in the same process) updates the policy and forgets which directories were verified, so each
+    attempt verifies what it loads afresh.
 
     ``args.persistent_integrity`` False (``--no-verify-integrity``): no manifest written, sizes
     still checked at load; ``args.verify_integrity`` (upstream's flag): the manifest is required.
@@ -314,6 +316,7 @@ def install(args: Any) -> None:
                      require=bool(getattr(args, "verify_integrity", False)))
     if _POLICY is not None:
         _POLICY = policy
+        _VERIFIED.clear()
         return
     import megatron.core.dist_checkpointing as dc
     import megatron.core.dist_checkpointing.serialization as ser

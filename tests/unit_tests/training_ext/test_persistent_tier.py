@@ -194,6 +194,19 @@ def test_integrity_flags_reach_the_policy():
         validate_fork_args(parser.parse_args(["--verify-integrity", "--no-verify-integrity"]))
 
 
+def test_a_second_start_in_one_process_verifies_again():
+    """A restart attempt in the same process re-verifies what it loads: the memo of verified
+    directories (one verification per directory and process) is forgotten at the new start."""
+    args = argparse.Namespace(persistent_integrity=True, verify_integrity=False)
+    try:
+        pt.install(args)
+        pt._VERIFIED["/ckpt/iter_0000008"] = object()
+        pt.install(args)
+        assert pt._VERIFIED == {}
+    finally:
+        pt.uninstall()
+
+
 def test_inprocess_restart_is_refused_naming_ft_launcher():
     from megatron.training_ext.args import check_run_setup
 
