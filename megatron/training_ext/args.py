@@ -50,6 +50,35 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+#: What ``--async-save`` needs on CPU: upstream 0.19.2 turns ``--async-save`` off without the
+#: persistent worker (``validate_args``: "not supported without --use-persistent-ckpt-worker"), and
+#: NVRx's persistent worker initialises CUDA (``rank % torch.cuda.device_count()``: it dies and the
+#: trainer waits for it forever) unless it runs in CPU shared-memory mode.
+CPU_ASYNC_FLAGS: tuple[tuple[str, ...], ...] = (
+    ("--use-persistent-ckpt-worker",),
+    ("--async-ckpt-use-cpu-shm",),
+)
+
+
+def _cpu_async_flags(argv: list[str]) -> tuple[tuple[str, ...], ...]:
+    """:data:`CPU_ASYNC_FLAGS` when ``argv`` asks for ``--async-save``, else nothing.
+
+    Raises:
+        SystemExit: ``--async-strategy mcore`` with ``--async-save`` (megatron-core's persistent
+            worker always initialises CUDA and dies on CPU; its per-save worker is disabled
+            upstream).
+    """
+    if "--async-save" not in argv:
+        return ()
+    if _flag_value(argv, "--async-strategy") == "mcore":
+        raise SystemExit("pretrain_gpt.py --cpu: --async-save --async-strategy mcore is not supported "
+                         "on CPU: megatron-core's checkpoint worker sets a CUDA device at start and "
+                         "dies, and the trainer would wait for it forever; use the default "
+                         "--async-strategy nvrx (its worker runs with --async-ckpt-use-cpu-shm), or "
+                         "drop --async-save")
+    return CPU_ASYNC_FLAGS
+
+
 def prepare_cpu_backend(argv: list[str]) -> bool:
     """If ``--cpu`` is on the command line, activate the CPU backend and add its default flags to
     ``argv`` in place.
@@ -72,7 +101,7 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise SystemExit(f"pretrain_gpt.py --cpu: {flag} is not supported on CPU: {why}")
     added = []
-    for entry in CPU_DEFAULT_FLAGS:
+    for entry in CPU_DEFAULT_FLAGS + _cpu_async_flags(argv):
         if not any(a == entry[0] or a.startswith(entry[0] + "=") for a in argv):
             argv.extend(entry)
             added.append(" ".join(entry))
@@ -147,6 +176,19 @@ def validate_fork_args(args: argparse.Namespace) -> None:
                              "pipeline parallelism")
 
     _validate_local_tier_args(args)
+    async_formats = ("torch_dist", "torch_dcp", "fsdp_dtensor")
+    if getattr(args, "async_save", False) and getattr(args, "ckpt_format", "torch_dist") not in async_formats:
+        # upstream raises NotImplementedError only at the first save, after training time is spent
+        raise SystemExit(f"--async-save needs --ckpt-format {', '.join(async_formats)} (got "
+                         f"{args.ckpt_format}: upstream has no async save for it and would fail at "
+                         "the first save); change the format or drop --async-save")
+    if getattr(args, "async_save", False) and getattr(args, "non_persistent_ckpt_type", None) == "local":
+        # upstream left --async-save on: it runs through the persistent worker (spawned)
+        raise SystemExit("--async-save with --non-persistent-ckpt-type local is not supported: NVRx's "
+                         "local checkpoint save request holds a process group, which cannot be sent "
+                         "to the persistent checkpoint worker (TypeError: cannot pickle "
+                         "'ProcessGroup' at the first local save); drop --async-save (local saves "
+                         "are fast and synchronous) or the local tier")
     if getattr(args, "verify_integrity", False) and not getattr(args, "persistent_integrity", True):
         raise SystemExit("--verify-integrity (integrity.json required at load) and "
                          "--no-verify-integrity (no checksums) contradict each other: give one")
@@ -211,7 +253,8 @@ def install_training_hooks(args: argparse.Namespace) -> None:
 
         local_tier.install(args)
     if (os.environ.get("MEGATRON_TEST_FAULT") or os.environ.get("MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD")
-            or os.environ.get("MEGATRON_TEST_KILL_IN_LOCAL_SAVE")):
+            or os.environ.get("MEGATRON_TEST_KILL_IN_LOCAL_SAVE")
+            or os.environ.get("MEGATRON_TEST_ABORT_ASYNC_SAVE")):
         from megatron.training_ext import fault_injection  # test-only hooks
 
         fault_injection.install_from_env(args)

@@ -25,6 +25,14 @@ no-op otherwise); never set them in production.
 
 Both wrap ``megatron.training.training.train_step`` (outside :mod:`local_tier`'s wrapper).
 
+``MEGATRON_TEST_ABORT_ASYNC_SAVE=K``
+    With ``--async-save``: when every rank is about to run iteration ``K + 1`` (the async save of
+    ``K`` scheduled, not yet finalised), each rank waits until its checkpoint worker has posted the
+    write results of that save, then calls upstream's abort of async checkpointing,
+    ``megatron.training.async_utils.reset_persistent_async_worker`` (what upstream's in-process
+    restart calls, ``AbortCheckpoint``): the save of ``K`` is never finalised and training goes on.
+    Wraps ``train_step`` too.
+
 ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE="rank=R,iteration=K,moment=M[,fraction=F][,once=PATH]"``
     Global rank ``R`` kills itself with ``SIGKILL`` (like ``kill -9``: no handler, no flush, no
     ``finally``) during its local (non-persistent, NVRx ``LocalCheckpointManager``) save of
@@ -75,6 +83,7 @@ from megatron.training_ext.console import write_line
 ENV_FAULT = "MEGATRON_TEST_FAULT"
 ENV_NAN = "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"
 ENV_KILL_LOCAL_SAVE = "MEGATRON_TEST_KILL_IN_LOCAL_SAVE"
+ENV_ABORT_ASYNC = "MEGATRON_TEST_ABORT_ASYNC_SAVE"
 #: Moments of a local save at which ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` can kill, in save order.
 LOCAL_SAVE_MOMENTS = ("replicate", "write", "rename", "cleanup")
 DEFAULT_WRITE_FRACTION = 0.5
@@ -218,6 +227,12 @@ def install_from_env(args) -> None:
         _install_train_step(args, fault, nan_at)
     if kill is not None and "local_manager" not in _installed:
         install_local_save_kill(kill)
+    abort_spec = os.environ.get(ENV_ABORT_ASYNC)
+    if abort_spec and "abort_async" not in _installed:
+        if not abort_spec.isdigit() or not getattr(args, "async_save", False):
+            raise ValueError(f"{ENV_ABORT_ASYNC}={abort_spec!r}: needs an iteration number and "
+                             "--async-save")
+        _install_async_abort(int(abort_spec), args.async_strategy)
 
 
 def uninstall() -> None:
@@ -226,6 +241,10 @@ def uninstall() -> None:
         import megatron.training.training as training
 
         training.train_step = _installed.pop("train_step")
+    if "abort_async" in _installed:
+        import megatron.training.training as training
+
+        training.train_step = _installed.pop("abort_async")
     if "local_manager" in _installed:
         from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
 
@@ -277,6 +296,42 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
 
     training.train_step = train_step
     _installed["train_step"] = upstream
+
+
+def _install_async_abort(at: int, strategy: str, timeout: float = 300.0) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    import megatron.training.training as training
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    upstream = training.train_step
+    sig = inspect.signature(upstream)
+    fs_module = sys.modules[get_async_strategy(strategy)[1]["FileSystemWriterAsync"].__module__]
+
+    @functools.wraps(upstream)
+    def train_step(*a, **kw):
+        if sig.bind(*a, **kw).arguments.get("iteration") == at:
+            from megatron.training import async_utils  # through the module: the fixes patch it
+
+            rank = dist.get_rank()
+            pending = async_utils._async_calls_queue.get_num_unfinalized_calls()
+            deadline = time.monotonic() + timeout
+            while pending and (fs_module._results_queue is None or fs_module._results_queue.qsize() < 1):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{ENV_ABORT_ASYNC}: the worker posted no write results "
+                                       f"of the save of iteration {at} within {timeout:.0f} s")
+                time.sleep(0.05)
+            posted = fs_module._results_queue.qsize() if fs_module._results_queue is not None else 0
+            dist.barrier()
+            async_utils.reset_persistent_async_worker(strategy)
+            _say(f"rank {rank}: aborted async checkpointing before iteration {at + 1}: "
+                 f"{pending} save(s) not finalised, {posted} write result(s) posted by the worker")
+        return upstream(*a, **kw)
+
+    training.train_step = train_step
+    _installed["abort_async"] = upstream
 
 
 # ---------------------------------------------------------------------------------------------

@@ -333,3 +333,36 @@ def assert_printed_losses_match_log(run: Run, key: str = "lm loss") -> None:
     wrong = {i: (p, f"{run.losses[i][f'{key} (decimal)']:.6E}") for i, p in printed.items()
              if p != f"{run.losses[i][f'{key} (decimal)']:.6E}"}
     assert not wrong, f"printed {key} != --loss-log value (iteration: printed, logged): {wrong}"
+
+
+def save_timeline(output: str) -> list[tuple[str, int]]:
+    """Upstream's log lines about training and ``torch_dist`` saves, in the order rank 0 printed
+    them: ``("iteration", N)`` (a training log line), ``("scheduled", N)`` (an async save of
+    iteration N handed to the checkpoint worker), ``("saved", N)`` (the save of N finalised: its
+    tracker file written)."""
+    import re
+
+    patterns = (("iteration", re.compile(r"\] iteration\s+(\d+)/")),
+                ("scheduled", re.compile(r"scheduled an async checkpoint save at iteration\s+(\d+)")),
+                ("saved", re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")))
+    events = []
+    for ln in output.splitlines():
+        for kind, pattern in patterns:
+            m = pattern.search(ln)
+            if m:
+                events.append((kind, int(m.group(1))))
+    return events
+
+
+def iterations_during_save(output: str, iteration: int) -> list[int]:
+    """The training iterations logged after the save of ``iteration`` was scheduled and before it
+    was finalised (empty for a synchronous save, whose finalisation precedes the next iteration).
+
+    Raises:
+        AssertionError: the save of ``iteration`` was not finalised.
+    """
+    events = save_timeline(output)
+    assert ("saved", iteration) in events, f"checkpoint {iteration} was not finalised: {events}"
+    end = events.index(("saved", iteration))
+    start = events.index(("scheduled", iteration)) if ("scheduled", iteration) in events[:end] else end
+    return [n for kind, n in events[start:end] if kind == "iteration"]

@@ -243,3 +243,17 @@ def test_no_kill_for_another_rank_or_when_once_exists(killed):
         assert sorted(r["files"]) == [F6], name
     # one line per kill: replicate, write, write_subclass, rename, cleanup, once_fires
     assert len(_lines(out)) == 6, _lines(out)
+
+
+@pytest.mark.parametrize("spec, async_save", [("five", True), ("5", False)])
+def test_abort_async_save_spec_errors(monkeypatch, spec, async_save):
+    """``MEGATRON_TEST_ABORT_ASYNC_SAVE`` needs an iteration number and ``--async-save``; nothing
+    is installed otherwise."""
+    import types
+
+    from megatron.training_ext import fault_injection as fi
+
+    monkeypatch.setenv(fi.ENV_ABORT_ASYNC, spec)
+    with pytest.raises(ValueError, match="needs an iteration number and --async-save"):
+        fi.install_from_env(types.SimpleNamespace(async_save=async_save, async_strategy="nvrx"))
+    assert "abort_async" not in fi._installed
