@@ -1118,8 +1118,11 @@ def install(args: Any) -> None:
     Does nothing unless ``args.non_persistent_ckpt_type == 'local'`` and
     ``args.local_tier_validation``. Makes ``LocalCheckpointManager`` (the name ``pretrain()``
     imports) :class:`ValidatedLocalCheckpointManager` and wraps ``train_step`` and
-    ``RerunStateMachine.validate_result`` for the NaN window. Idempotent: a second call only
-    updates the settings.
+    ``RerunStateMachine.validate_result`` for the NaN window. Idempotent: a second call (a new
+    start of training in the same process: another restart attempt) keeps the patches and starts
+    from a fresh decision state, so nothing an earlier attempt decided (a rejected local tier, the
+    iteration it resumed from, its NaN window, a marker written) carries over: each attempt
+    resolves the local tier afresh, as a new process does.
 
     Raises:
         RuntimeError: the upstream functions this module wraps are missing or changed signature
@@ -1134,9 +1137,10 @@ def install(args: Any) -> None:
         return
     window = getattr(args, "local_tier_nan_window", None)
     window = DEFAULT_NAN_WINDOW if window is None else int(window)
-    if _STATE is not None:
-        _STATE.validation, _STATE.nan_window, _STATE.args = validation, window, args
-        _STATE.settings, _STATE.topology = local_identity.run_settings(args), local_identity.topology(args)
+    if _STATE is not None:  # same object (holders keep it), every field as for a new process
+        vars(_STATE).update(vars(_State(validation=validation, nan_window=window, args=args,
+                                        settings=local_identity.run_settings(args),
+                                        topology=local_identity.topology(args))))
         return
 
     import megatron.core.rerun_state_machine as rsm

@@ -431,3 +431,33 @@ def test_finite_flags_per_dtype():
     flags = _finite_flags([nan32, inf16, big16, nan_c, neg_pos_inf, torch.ones(3, dtype=torch.int64),
                            torch.tensor(3.0), torch.empty(0), torch.randn(7, dtype=torch.bfloat16)])
     assert flags == [False, False, True, False, False, True, True, True, True]
+
+
+def test_each_start_in_one_process_decides_the_local_tier_afresh():
+    """A second start of training in the same process (a restart attempt) forgets what the first
+    decided: the local iteration it resumed from (whose NaN window would otherwise judge the new
+    attempt's iterations), a rejection of the local tier, a marker written; the patches stay
+    installed once."""
+    import megatron.training.training as training
+    from megatron.training_ext import local_tier
+
+    args = argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=True,
+                              local_tier_nan_window=5)
+    try:
+        local_tier.install(args)
+        wrapped = training.train_step
+        st = local_tier._STATE
+        st.force_persistent, st.rejected_reason = True, "NaN at iteration 9 after the local resume"
+        st.local_load_iteration, st.manager, st.marker_written = 8, object(), True
+        st.deferred.append("nan")
+        assert local_tier.loaded_local_iteration() == 8
+
+        local_tier.install(argparse.Namespace(**{**vars(args), "local_tier_nan_window": 7}))
+        fresh = local_tier._STATE
+        assert local_tier.loaded_local_iteration() is None
+        assert (fresh.force_persistent, fresh.rejected_reason, fresh.manager, fresh.marker_written,
+                fresh.deferred, fresh.nan_window) == (False, None, None, False, [], 7)
+        assert training.train_step is wrapped  # not wrapped a second time
+    finally:
+        local_tier.uninstall()
+    assert training.train_step is not wrapped
