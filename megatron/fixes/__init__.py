@@ -25,8 +25,12 @@ FIX_MODULES = (
     "megatron.fixes.modelopt_moe",
     "megatron.fixes.fsdp_dtensor",
     "megatron.fixes.distopt_resume",
+    "megatron.fixes.distopt_reshard",
     "megatron.fixes.training_log",
     "megatron.fixes.help_text",
+    "megatron.fixes.pretrained_redirect",
+    "megatron.fixes.async_reset",
+    "megatron.fixes.rng_state_ep",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]

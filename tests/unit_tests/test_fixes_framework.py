@@ -75,7 +75,7 @@ def test_registry_apply_twice_patches_once(monkeypatch):
     second = fixes.apply()
     assert first == second and all(s is FixStatus.ACTIVE for s in first.values()), first
     assert DistributedOptimizer.state_dict is patched
-    assert {"replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume"} <= set(first)
+    assert {"replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume", "distopt_reshard"} <= set(first)
 
 
 def test_disable_env_names_are_checked(monkeypatch):
@@ -110,6 +110,8 @@ def test_cli_lists_fixes():
     out = subprocess.run([sys.executable, "-m", "megatron.fixes"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume", "training_log", "help_text"):
+    names = ("replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume", "distopt_reshard",
+             "training_log", "help_text", "pretrained_redirect", "async_reset", "rng_state_ep")
+    for name in names:
         assert f"{name}:" in out.stdout
-    assert out.stdout.count("status:    active") == 6
+    assert out.stdout.count("status:    active") == len(names)
