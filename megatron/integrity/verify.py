@@ -879,6 +879,8 @@ def _check_tensor(lf, res: FileResult, part: _Partial, base: dict, i: int, key: 
                            entry["checksum"] if entry is not None else None, checksum))
     # 1. stored checksum
     if entry is not None:
+        if entry.get("algorithm", ck.ALGORITHM) != ck.ALGORITHM:  # e.g. pmix64 (hashed on a GPU)
+            checksum = ck.tensor_checksum(t, entry["algorithm"])
         if checksum == entry["checksum"]:
             res.checksums_verified += 1
         else:

@@ -45,7 +45,8 @@ def _shard(owner: int, seed: int, iteration: int, world: int = WORLD) -> dict:
 
 
 def write_save(local: Path, iteration: int, *, seed: int = 1, run_id: str = "run-a", save_token: str = None,
-               owners=None, factor: int = 2, world: int = WORLD, records: bool = True) -> None:
+               owners=None, factor: int = 2, world: int = WORLD, records: bool = True,
+               algorithm: str = "xxh3_64") -> None:
     """One local save of ``iteration`` under ``local``: for each owner (default: all ``world``) the
     primary (``<owner>/``) and ``factor - 1`` replicas on the next ranks (replication jump 1), with
     checksum records (unless ``records=False``) and identity records."""
@@ -56,9 +57,9 @@ def write_save(local: Path, iteration: int, *, seed: int = 1, run_id: str = "run
         sd = MCoreTensorAwareStateDict(common={"iteration": iteration, "args": args},
                                        sharded_state_dict=_shard(r, seed, iteration, world))
         if records:
-            entries = [ck.make_entry(i, sh.key, sh.data, global_offset=sh.global_offset)
+            entries = [ck.make_entry(i, sh.key, sh.data, global_offset=sh.global_offset, algorithm=algorithm)
                        for i, sh in enumerate(sd._sharded_tensors)]
-            ck.attach_record(sd, ck.make_record(r, entries))
+            ck.attach_record(sd, ck.make_record(r, entries, algorithm))
         setattr(sd, IDENTITY_ATTR, make_identity(run_id, "derived", {"seed": seed, "save": "/ckpt"},
                                                  {"world_size": world}, iteration, r, token, f"node-{r}"))
         for j in range(factor):
@@ -225,6 +226,20 @@ def test_flipped_byte_in_replica_is_a_checksum_problem(tmp_path):
     assert rep.newest_complete_iteration == 12
     sh1 = rep.local_iterations[0]["shards"][1]
     assert (sh1["usable"], sh1["consistent"]) == ([f"1/{_name(12, 1)}"], True)
+
+
+def test_pmix64_records_verify_and_a_flipped_byte_is_named(tmp_path):
+    """Files whose records hold pmix64 (what replication over NCCL computes on the GPU) verify on
+    the CPU; a flipped byte in a replica is a checksum problem naming the tensor."""
+    local = tmp_path / "local"
+    write_save(local, 12, algorithm="pmix64")
+    rep = verify_checkpoint(local)
+    assert rep.ok and rep.summary()["checksums_verified"] == 4 * N_TENSORS, rep.format_text()
+    key = _flip_byte(local / "0" / _name(12, 1), 5)
+    rep = verify_checkpoint(local)
+    assert _kinds(rep.problems) == ["checksum_mismatch"], rep.format_text()
+    assert (rep.problems[0].file, rep.problems[0].key) == (f"0/{_name(12, 1)}", key)
+    assert rep.summary()["checksums_failed"] == 1
 
 
 def test_flipped_byte_without_checksum_records_is_found_by_comparing_copies(tmp_path):
