@@ -123,9 +123,9 @@ def _gather_expected(expected: dict) -> list:
     return [{k: rebuild(*v) for k, v in d.items()} for d in out]
 
 
-def _check_files_against(root, all_expected, scenario):
+def _check_files_against(root, all_expected, scenario, algorithm="xxh3_64"):
     """Every file (primary and replica, on both holders) holds plain tensors bitwise equal to the
-    owner's expected values and a checksum record that verifies."""
+    owner's expected values and a checksum record of ``algorithm`` that verifies."""
     from megatron.integrity import checksums as ck
 
     for owner in range(WORLD):
@@ -139,6 +139,10 @@ def _check_files_against(root, all_expected, scenario):
                 assert _bitwise_equal(got, want), (where, key, got, want)
             record = ck.get_record(sd)
             assert record is not None and record["owner_rank"] == owner, where
+            assert (record["algorithm"], record["version"]) == (algorithm, 1 if algorithm == "xxh3_64" else 2), where
+            for e in record["entries"]:  # each checksum is the algorithm's value of the bytes
+                want = all_expected[owner][e["key"]]
+                assert e["checksum"] == ck.tensor_checksum(want, algorithm), (where, e["key"])
             assert ck.verify_record(record, list(sd.tensors)) == [], where
             assert [e["key"] for e in record["entries"]] == _keys(sd), where
 
@@ -244,7 +248,7 @@ def _fixed_quantized(rank, root, strategy, quantized_cls, scenario):
     _check_files_against(root, all_expected, scenario)
 
 
-def _fixed_dense(rank, root):
+def _fixed_dense(rank, root, strategy=None, algorithm="xxh3_64"):
     g = torch.Generator().manual_seed(rank)
     base = torch.randn(6, 10, generator=g)
     flat = torch.randn(64, generator=g)
@@ -261,9 +265,10 @@ def _fixed_dense(rank, root):
         # (no empty tensor: megatron-core's sharding validation divides by a zero-size dim)
     }
     all_expected = _gather_expected({k: v.contiguous() for k, v in tensors.items()})
-    _manager(root).save(_tasd(rank, tensors), ITER)
+    _manager(root, strategy).save(_tasd(rank, tensors), ITER)
     _barrier()
-    _check_files_against(root, all_expected, "dense views and gloo-unsupported dtypes")
+    _check_files_against(root, all_expected, f"dense views and gloo-unsupported dtypes, {algorithm}",
+                         algorithm)
 
 
 class _DeferredWork:
@@ -282,7 +287,7 @@ class _DeferredWork:
         return True
 
 
-def _fixed_buckets(rank, root):
+def _fixed_buckets(rank, root, algorithm="xxh3_64"):
     """Small bucket/direct thresholds so one save uses packed buckets, direct chunks and tensors
     split across several messages; pipeline depth 3."""
     from megatron.fixes.replication import FixedCliqueReplicationStrategy
@@ -294,9 +299,11 @@ def _fixed_buckets(rank, root):
     all_expected = _gather_expected(tensors)
     strategy = FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
     strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 64, 3
+    strategy.direct_chunk_bytes = 96  # tensors of up to 800 bytes travel in several chunks
+    strategy.checksum_algorithm = algorithm
     _manager(root, strategy).save(_tasd(rank, tensors), ITER)
     _barrier()
-    _check_files_against(root, all_expected, "tiny buckets")
+    _check_files_against(root, all_expected, f"tiny buckets, {algorithm}", algorithm)
 
 
 class _ListStateDict:
@@ -383,7 +390,7 @@ def _refused(rank, root):
     assert _all_pt_files(root) == [], _all_pt_files(root)
 
 
-def _transit_corruption(rank, root):
+def _transit_corruption(rank, root, algorithm="xxh3_64"):
     from megatron.fixes import replication
     from megatron.integrity.checksums import ChecksumMismatchError
 
@@ -408,8 +415,10 @@ def _transit_corruption(rank, root):
     try:
         tensors = {"a.first": torch.randn(16), "b.second": torch.randn(16)}
         tasd = _tasd(rank, tensors)
+        strategy = replication.FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
+        strategy.checksum_algorithm = algorithm
         with pytest.raises(ChecksumMismatchError) as info:
-            _manager(root).save(tasd, ITER)
+            _manager(root, strategy).save(tasd, ITER)
     finally:
         replication._broadcast = real
     msg = str(info.value)
@@ -442,6 +451,12 @@ def _fixed_save_body(rank, world, root):
     _staging_reuse(rank)
     _refused(rank, os.path.join(root, "refused"))
     _transit_corruption(rank, os.path.join(root, "transit"))
+    # pmix64, the algorithm NCCL groups use (hashed where the bytes are), on the gloo transport
+    strategy = _strategy()
+    strategy.checksum_algorithm = "pmix64"
+    _fixed_dense(rank, os.path.join(root, "dense_pmix64"), strategy, "pmix64")
+    _fixed_buckets(rank, os.path.join(root, "buckets_pmix64"), "pmix64")
+    _transit_corruption(rank, os.path.join(root, "transit_pmix64"), "pmix64")
 
 
 def test_fixed_save_replicas_equal_primaries_and_failures_leave_no_file(tmp_path):
@@ -456,7 +471,9 @@ def test_fixed_save_replicas_equal_primaries_and_failures_leave_no_file(tmp_path
     * every file carries a checksum record that verifies;
     * an uncarriable tensor is refused on every rank with its key and rank, before any file;
     * a byte flipped in transit fails the save on every rank naming key, sender and receiver, and
-      leaves no file.
+      leaves no file;
+    * the same with ``pmix64`` checksums (what NCCL groups compute on the GPU): version-2 records
+      whose values equal ``pmix64`` of the bytes.
     """
     run_distributed(_fixed_save_body, WORLD, str(tmp_path))
 
