@@ -2,7 +2,8 @@
 
 Usage::
 
-    python tools/bench_replication.py [--size-mb 64] [--reps 5] [--world 2]
+    python tools/bench_replication.py [--size-mb 64] [--reps 5] [--world 2] [--device cpu|cuda]
+    python tools/bench_replication.py --hash-only [--device cuda]    # hash throughput table only
 
 Each rank holds ``--size-mb`` MiB of float32 tensors in a real ``MCoreTensorAwareStateDict``.
 All variants run in one process group, interleaved (every repetition runs every variant once, in
@@ -16,18 +17,33 @@ Variants:
   upstream/1024      upstream, 1024 tensors (per-tensor overhead reference)
   bcast/64           plain per-tensor ``dist.broadcast`` of the same bytes from every rank
                      (transport reference: no state dicts, no metadata)
+  upstream/8         upstream, the same bytes in 8 tensors (each sent in several messages)
+  fixed/8            fixed, 8 tensors: checksums computed chunk by chunk as the messages go out
+                     and land
   fixed/quantized    fixed, 64 quantized tensors (the Transformer-Engine-like float8 test double
                      of tests/unit_tests/fixes/replication_doubles.py, nominal dtype bfloat16,
                      --size-mb / 4 nominal bytes): bytes sent vs primary bytes; its time is
                      dominated by the double's CPU dequantize, not by the transport
 
-Targets (issue): fixed/1024 <= 1.15 x fixed/64; fixed/64 <= 1.05 x upstream/64; checksum
-compute+verify <= 10% of the fixed replicate time.
+``--device cuda``: ranks on separate GPUs over NCCL (``--world`` capped at the GPU count; with one
+GPU a one-rank NCCL group: the device-side hashing and host-copy path of ``replicate`` within one
+process); the quantized variant is left out (its test double dequantizes on the CPU).
+
+Before the replicate table, a hash throughput table (median of interleaved repetitions): every
+checksum candidate on chunks of several sizes (cache-sized and larger than the last-level cache)
+against a copy of the same bytes (``memmove`` on CPU, a device-to-device copy on CUDA). CPU:
+xxh3_64 (xxhash), crc32c and blake3 (when installed), sha256 (hashlib), pmix64 in torch ops; CUDA:
+pmix64's Triton kernel and torch ops.
+
+Targets: CPU fixed/1024 <= 1.15 x fixed/64; fixed/64 <= 1.05 x upstream/64; fixed/1024 <= 0.6 x
+upstream/1024; CUDA checksum throughput >= 50% of the device-to-device copy's.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import os
 import socket
 import statistics
@@ -47,6 +63,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _median_time(fn, reps, sync=lambda: None):
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hash_table(device: str, sizes_mib, reps: int) -> list:
+    """Rows ``(algorithm, size MiB, GB/s, GB/s of a copy of the same bytes)``, interleaved."""
+    sys.path.insert(0, _REPO)
+    from megatron.integrity import device_hash as dh
+
+    cands = {}
+    if device == "cpu":
+        import xxhash
+
+        cands["xxh3_64 (xxhash)"] = lambda t, mv: xxhash.xxh3_64_intdigest(mv)
+        try:
+            import crc32c
+
+            cands["crc32c (crc32c)"] = lambda t, mv: crc32c.crc32c(mv)
+        except ImportError:
+            pass
+        try:
+            import blake3
+
+            cands["blake3 (blake3, 1 thread)"] = lambda t, mv: blake3.blake3(mv).digest()
+        except ImportError:
+            pass
+        cands["sha256 (hashlib)"] = lambda t, mv: hashlib.sha256(mv).digest()
+        cands["pmix64 (torch ops)"] = lambda t, mv: dh.pmix64_tensor(t, "torch")
+        sync = lambda: None  # noqa: E731
+    else:
+        cands["pmix64 (Triton)"] = lambda t, mv: dh.pmix64_tensor(t, "triton")
+        cands["pmix64 (torch ops)"] = lambda t, mv: dh.pmix64_tensor(t, "torch")
+        sync = torch.cuda.synchronize
+    rows = []
+    for mib in sizes_mib:
+        n = int(mib * 2**20)
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        mv = memoryview(src.numpy()) if device == "cpu" else None
+        if device == "cpu":
+            copy = lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # noqa: E731
+        else:
+            copy = lambda: dst.copy_(src)  # noqa: E731
+        # repeat small chunks so each timing covers >= 64 MiB (cache-resident chunk, hot loop)
+        inner = max(1, int(64 // mib))
+        timings = {name: [] for name in ["copy", *cands]}
+        for _ in range(reps + 1):
+            for name, f in [("copy", lambda t, m: copy()), *cands.items()]:
+                timings[name].append(_median_time(lambda: [f(src, mv) for _ in range(inner)], 1, sync) / inner)
+        med = {k: statistics.median(v[1:]) for k, v in timings.items()}
+        for name in cands:
+            rows.append((name, mib, n / med[name] / 1e9, n / med["copy"] / 1e9))
+    return rows
+
+
+def print_hash_table(device: str, rows) -> None:
+    print(f"\nchecksum throughput on {device} (one thread on CPU), median, vs a copy of the same bytes "
+          f"({'memmove' if device == 'cpu' else 'device-to-device copy'})\n")
+    print(f"{'algorithm':<28}{'chunk [MiB]':>12}{'GB/s':>9}{'copy GB/s':>11}{'hash/copy':>11}")
+    for name, mib, gbps, copy in rows:
+        print(f"{name:<28}{mib:>12g}{gbps:>9.2f}{copy:>11.2f}{gbps / copy:>11.2f}")
+
+
 def _tasd(rank, world, tensors):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
@@ -58,11 +144,11 @@ def _tasd(rank, world, tensors):
     return MCoreTensorAwareStateDict.from_state_dict(sd, algo="atomic")[0]
 
 
-def _tensors(rank, total_bytes, count, quantized=False):
+def _tensors(rank, total_bytes, count, quantized=False, device="cpu"):
     g = torch.Generator().manual_seed(rank * 1000 + count)
     n = total_bytes // 4 // count
     if not quantized:
-        return {f"layer{i:04d}.weight": torch.randn(n, generator=g) for i in range(count)}
+        return {f"layer{i:04d}.weight": torch.randn(n, generator=g).to(device) for i in range(count)}
     sys.path.insert(0, os.path.join(_REPO, "tests", "unit_tests", "fixes"))
     import replication_doubles as D
 
@@ -76,22 +162,26 @@ def _tensors(rank, total_bytes, count, quantized=False):
 def _worker(rank, world, port, args, out_q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, _REPO)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
-
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     from megatron.fixes import replication as R
+    from megatron.integrity import checksums as ck
 
     total = args.size_mb * 1024 * 1024
     group = dist.new_group(list(range(world)))
     upstream = R._UpstreamClique(group, target_device="cpu")
     fixed = R.FixedCliqueReplicationStrategy(group, target_device="cpu")
-    gw = GroupWrapper(group)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     data = {
-        64: _tensors(rank, total, 64),
-        1024: _tensors(rank, total, 1024),
-        "q": _tensors(rank, max(total // 4, 1 << 20), 64, quantized=True),
+        64: _tensors(rank, total, 64, device=args.device),
+        1024: _tensors(rank, total, 1024, device=args.device),
+        8: _tensors(rank, total, 8, device=args.device),
     }
+    if not cuda:
+        data["q"] = _tensors(rank, max(total // 4, 1 << 20), 64, quantized=True)
     csum_time = [0.0]
     cpu = [0.0]
     sent = [0]
@@ -111,10 +201,12 @@ def _worker(rank, world, port, args, out_q):
 
     def run_replicate(strategy_fn, key):
         tasd = _tasd(rank, world, data[key])
+        sync()
         dist.barrier(group)
         cpu[0] = time.process_time()
         t0 = time.perf_counter()
         replicas, _ = strategy_fn(tasd)
+        sync()
         return time.perf_counter() - t0, replicas
 
     def v_upstream(key):
@@ -123,22 +215,28 @@ def _worker(rank, world, port, args, out_q):
     def v_fixed(key):
         return run_replicate(lambda sd: R.fixed_replicate(fixed, sd, "id"), key)
 
+    real_device_csum = ck.tensor_checksum_on_device
+
     def v_fixed_nocsum(key):
         R._cpu_checksum = lambda ptr, nbytes: 0
+        ck.tensor_checksum_on_device = lambda t: torch.zeros((), dtype=torch.int64, device=t.device)
         try:
             return v_fixed(key)
         finally:
             R._cpu_checksum = timed_csum
+            ck.tensor_checksum_on_device = real_device_csum
 
     def v_bcast(key):
         tensors = list(data[key].values())
         recv = [torch.empty_like(t) for t in tensors]
+        sync()
         dist.barrier(group)
         cpu[0] = time.process_time()
         t0 = time.perf_counter()
         for src in range(world):
             for t, r in zip(tensors, recv):
                 dist.broadcast(t if src == rank else r, src=src, group=group)
+        sync()
         return time.perf_counter() - t0, None
 
     variants = [
@@ -148,8 +246,11 @@ def _worker(rank, world, port, args, out_q):
         ("fixed/1024", v_fixed, 1024),
         ("upstream/1024", v_upstream, 1024),
         ("bcast/64", v_bcast, 64),
-        ("fixed/quantized", v_fixed, "q"),
+        ("upstream/8", v_upstream, 8),
+        ("fixed/8", v_fixed, 8),
     ]
+    if not cuda:
+        variants.append(("fixed/quantized", v_fixed, "q"))
     R._cpu_checksum, R._broadcast = timed_csum, counting_bcast
     times = {name: [] for name, _, _ in variants}
     cpus = {name: [] for name, _, _ in variants}
@@ -159,12 +260,11 @@ def _worker(rank, world, port, args, out_q):
         for name, fn, key in variants:
             csum_time[0], sent[0] = 0.0, 0
             elapsed, replicas = fn(key)
-            cpu_used = torch.tensor([time.process_time() - cpu[0]], dtype=torch.float64)
-            dist.all_reduce(cpu_used, op=dist.ReduceOp.MAX, group=group)
-            slowest = torch.tensor([elapsed], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            share = torch.tensor([csum_time[0] / elapsed if elapsed else 0.0], dtype=torch.float64)
-            dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)
+            measured = torch.tensor([time.process_time() - cpu[0], elapsed,
+                                     csum_time[0] / elapsed if elapsed else 0.0], dtype=torch.float64,
+                                    device=args.device)
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+            cpu_used, slowest, share = measured.cpu()
             if rep >= args.warmup:
                 times[name].append(slowest.item())
                 cpus[name].append(cpu_used.item())
@@ -200,8 +300,22 @@ def main(argv=None) -> int:
     p.add_argument("--size-mb", type=int, default=64, help="MiB of tensors per rank (default 64)")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (median)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first")
-    p.add_argument("--world", type=int, default=2, help="gloo processes (one clique)")
+    p.add_argument("--world", type=int, default=2, help="processes (one clique)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo ranks; cuda: NCCL ranks on separate GPUs (default cpu)")
+    p.add_argument("--hash-sizes", default="0.0625,1,4,256",
+                   help="chunk sizes of the hash table, MiB, comma-separated")
+    p.add_argument("--hash-only", action="store_true", help="print the hash throughput table only")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device", file=sys.stderr)
+            return 2
+        args.world = max(1, min(args.world, torch.cuda.device_count()))
+    print_hash_table(args.device, hash_table(args.device, [float(x) for x in args.hash_sizes.split(",")],
+                                             args.reps))
+    if args.hash_only:
+        return 0
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -217,12 +331,13 @@ def main(argv=None) -> int:
     res = q.get()
     t = res["times"]
     mb = args.size_mb
-    print(f"\nreplicate(): {args.world} gloo ranks, {mb} MiB per rank, median of {args.reps} "
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    print(f"\nreplicate(): {args.world} {backend} ranks, {mb} MiB per rank, median of {args.reps} "
           f"(interleaved, slowest rank), torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     print(f"{'variant':<18}{'median [s]':>11}{'min [s]':>9}{'CPU [s]':>9}{'GB/s recv/rank':>16}"
           f"{'vs upstream/64':>16}")
     for name, sec in t.items():
-        gbps = mb * 2**20 * (args.world - 1) / sec / 1e9 if sec else float("nan")
+        gbps = mb * 2**20 * max(args.world - 1, 1) / sec / 1e9 if sec else float("nan")
         print(f"{name:<18}{sec:>11.3f}{res['mins'][name]:>9.3f}{res['cpu'][name]:>9.3f}{gbps:>16.2f}"
               f"{sec / t['upstream/64']:>16.3f}")
     print("(CPU: process CPU time, all threads incl. gloo's, of the busiest rank; median)")
@@ -233,15 +348,20 @@ def main(argv=None) -> int:
         ("fixed/1024 / fixed/64", t["fixed/1024"] / t["fixed/64"], "<= 1.15"),
         ("  same, CPU time", res["cpu"]["fixed/1024"] / res["cpu"]["fixed/64"], "(reference)"),
         ("  same, min times", res["mins"]["fixed/1024"] / res["mins"]["fixed/64"], "(reference)"),
+        ("fixed/1024 / upstream/1024", t["fixed/1024"] / t["upstream/1024"], "<= 0.6"),
+        ("fixed/8 / upstream/8", t["fixed/8"] / t["upstream/8"], "(large tensors)"),
         ("upstream/1024 / upstream/64", t["upstream/1024"] / t["upstream/64"], "(reference)"),
         ("checksum wall cost (fixed - nocsum) / fixed",
          (t["fixed/64"] - t["fixed-nocsum/64"]) / t["fixed/64"], "<= 0.10"),
         ("time inside checksum calls / fixed (slowest rank)", res["share"], "(overlapped)"),
         ("fixed/64 / bcast/64", t["fixed/64"] / t["bcast/64"], "(transport ref)"),
-        ("quantized: bytes sent / primary bytes", res["q_sent"] / max(res["q_primary"], 1), "== 1"),
-        ("quantized: primary bytes / quantized payload", res["q_primary"] / max(res["q_payload"], 1),
-         "(dequantized)"),
     ]
+    if args.device == "cpu":
+        rows += [
+            ("quantized: bytes sent / primary bytes", res["q_sent"] / max(res["q_primary"], 1), "== 1"),
+            ("quantized: primary bytes / quantized payload", res["q_primary"] / max(res["q_payload"], 1),
+             "(dequantized)"),
+        ]
     print(f"{'ratio (medians)':<50}{'value':>8}  target")
     for name, val, target in rows:
         print(f"{name:<50}{val:>8.3f}  {target}")
