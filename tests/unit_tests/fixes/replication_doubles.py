@@ -132,3 +132,22 @@ class FakeFloat8TensorNoQuantizer(FakeFloat8Tensor):
 def quantize(t: torch.Tensor, tensor_cls=FakeFloat8Tensor) -> FakeFloat8Tensor:
     """Quantize a plain tensor into a ``tensor_cls`` with a pickled (or dropped) quantizer."""
     return FakeQuantizer(tensor_cls).quantize(t)
+
+
+class ListStateDict:
+    """A TensorAwareStateDict that is just a list of tensors (no sharding validation, so ranks
+    can hold different numbers of tensors)."""
+
+    def __init__(self, tensors):
+        self._tensors, self.is_hollow = list(tensors), False
+
+    @property
+    def tensors(self):
+        return iter(self._tensors)
+
+    def pop_tensors(self):
+        out, self._tensors, self.is_hollow = self._tensors, [], True
+        return out
+
+    def insert_tensors(self, tensors):
+        self._tensors, self.is_hollow = list(tensors), False

@@ -306,25 +306,6 @@ def _fixed_buckets(rank, root, algorithm="xxh3_64"):
     _check_files_against(root, all_expected, f"tiny buckets, {algorithm}", algorithm)
 
 
-class _ListStateDict:
-    """A TensorAwareStateDict that is just a list of tensors (no sharding validation, so ranks
-    can hold different numbers of tensors)."""
-
-    def __init__(self, tensors):
-        self._tensors, self.is_hollow = list(tensors), False
-
-    @property
-    def tensors(self):
-        return iter(self._tensors)
-
-    def pop_tensors(self):
-        out, self._tensors, self.is_hollow = self._tensors, [], True
-        return out
-
-    def insert_tensors(self, tensors):
-        self._tensors, self.is_hollow = list(tensors), False
-
-
 def _staging_reuse(rank):
     """Rank 0 owns 60 small tensors (many packed buckets), rank 1 owns 2, so most of the schedule
     is rank 0's own staged messages back to back. Every transfer happens only at ``wait()``
@@ -342,7 +323,7 @@ def _staging_reuse(rank):
     real = R._broadcast
     R._broadcast = _DeferredWork
     try:
-        hollows, ids = R.fixed_replicate(strategy, _ListStateDict(tensors), f"id{rank}")
+        hollows, ids = R.fixed_replicate(strategy, D.ListStateDict(tensors), f"id{rank}")
     finally:
         R._broadcast = real
     assert ids == [f"id{r}" for r in range(WORLD)]

@@ -8,23 +8,9 @@ import os
 import pytest
 import torch
 
+import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-class _ListStateDict:
-    def __init__(self, tensors):
-        self._tensors, self.is_hollow = list(tensors), False
-
-    @property
-    def tensors(self):
-        return iter(self._tensors)
-
-    def pop_tensors(self):
-        out, self._tensors, self.is_hollow = self._tensors, [], True
-        return out
-
-    def insert_tensors(self, tensors):
-        self._tensors, self.is_hollow = list(tensors), False
 
 
 @pytest.fixture
@@ -61,7 +47,7 @@ def test_replicate_hashes_on_the_gpu_without_host_copies_for_checksums(nccl_grou
     strategy = R.FixedCliqueReplicationStrategy(nccl_group, target_device="cpu")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        hollows, _ = strategy.replicate(_ListStateDict(tensors), "id0")
+        hollows, _ = strategy.replicate(D.ListStateDict(tensors), "id0")
         torch.cuda.synchronize()
     record = ck.get_record(hollows[0])
     assert record["algorithm"] == "pmix64" and [e["checksum"] for e in record["entries"]] == want
