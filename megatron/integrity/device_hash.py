@@ -34,7 +34,7 @@ M2 = 0x94D049BB133111EB
 K_LEN = 0xD6E8FEB86659FD93
 K_FIN = 0x2545F4914F6CDD1D
 #: Words per chunk of the torch implementation: 256 KiB of int64, so the ~12 passes of one chunk
-#: stay in a core's L2/L3 cache on the CPU.
+#: stay in a core's L2 cache on the CPU.
 CHUNK_WORDS = 1 << 15
 #: Words per Triton program (GPU block).
 BLOCK_WORDS = 4096
@@ -83,7 +83,7 @@ def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return z.bitwise_xor_(_shr(z, 31, tmp))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _positions(device: torch.device, words: int) -> torch.Tensor:
     """``(i + 1) * K_POS`` for ``i < words`` (int64, wrapped), cached per device."""
     return torch.arange(1, words + 1, dtype=torch.int64, device=device).mul_(_signed(K_POS))
@@ -99,7 +99,7 @@ def _word_sum_torch(u8: torch.Tensor, n: int) -> torch.Tensor:
     tensor on its device, chunk by chunk with torch integer ops (exact on CPU and CUDA)."""
     words = -(-n // 8)
     chunk = min(CHUNK_WORDS, max(words, 1))
-    pos = _positions(u8.device, chunk)
+    pos = _positions(u8.device, CHUNK_WORDS)
     z = torch.empty(chunk, dtype=torch.int64, device=u8.device)
     tmp = torch.empty_like(z)
     total = torch.zeros((), dtype=torch.int64, device=u8.device)
@@ -158,6 +158,8 @@ def _kernel():
 
 
 def _word_sum_triton(u8: torch.Tensor, n: int) -> torch.Tensor:
+    """As :func:`_word_sum_torch`, in one kernel pass (a tensor whose bytes are not whole,
+    8-byte-aligned words is first copied into a padded buffer on its device)."""
     words = -(-n // 8)
     if u8.data_ptr() % 8 == 0 and n % 8 == 0:
         w = u8.view(torch.int64)
