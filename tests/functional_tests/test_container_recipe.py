@@ -33,7 +33,7 @@ from packaging.utils import canonicalize_name
 from tests.functional_tests.launch import REPO, TINY_GPT
 from tests.helpers.dist import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def torch_closure() -> list[md.Distribution]:

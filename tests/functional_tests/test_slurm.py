@@ -26,7 +26,7 @@ from tests.functional_tests import slurm_harness
 from tests.functional_tests.launch import REPO, device
 from tests.helpers.dist import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 SBATCH = REPO / "examples" / "slurm" / "pretrain_gpt_local_ckpt.sbatch"
 MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"
