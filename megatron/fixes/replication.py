@@ -749,17 +749,21 @@ def _replicate(self, local_ckpt, id_):
             if recv_cpu and length != records[r]["entries"][i]["nbytes"]:
                 # one chunk of a tensor sent in several messages: hash it now, while the bytes
                 # that just landed are in cache (chunks complete in order: FIFO per owner)
-                h = streams.get((r, i))
-                if h is None:
-                    h = streams[(r, i)] = ck.streaming_checksum()
-                h.update(_host_bytes(ptrs[r][i] + toff, length))
-                if remaining[r][i] == 0:
-                    sums[r][i] = streams.pop((r, i)).intdigest()
+                hash_chunk(r, i, ptrs[r][i] + toff, length, remaining[r][i] == 0)
             elif remaining[r][i] == 0:
                 checksum_received(r, i)
 
     entries_me = records[me]["entries"]
     streams: dict = {}  # (owner, tensor) -> xxh3 state of a tensor hashed chunk by chunk
+
+    def hash_chunk(r: int, i: int, ptr: int, length: int, last: bool) -> None:
+        """Add the next chunk (in order) of owner ``r``'s tensor ``i`` to its xxh3 state."""
+        h = streams.get((r, i))
+        if h is None:
+            h = streams[(r, i)] = ck.streaming_checksum()
+        h.update(_host_bytes(ptr, length))
+        if last:
+            sums[r][i] = streams.pop((r, i)).intdigest()
     stored_ptrs = [s.data_ptr() if s.is_cpu and not on_device else 0 for s in stored]
     for msg in schedule:
         while len(inflight) >= max_inflight:
@@ -792,12 +796,8 @@ def _replicate(self, local_ckpt, id_):
             for i, toff, length, _ in msg.pieces:
                 if sums[me][i] is None and stored_ptrs[i] and length != entries_me[i]["nbytes"]:
                     # a chunk of a tensor sent in several messages, hashed as it goes out
-                    h = streams.get((me, i))
-                    if h is None:
-                        h = streams[(me, i)] = ck.streaming_checksum()
-                    h.update(_host_bytes(stored_ptrs[i] + toff, length))
-                    if toff + length == entries_me[i]["nbytes"]:
-                        sums[me][i] = streams.pop((me, i)).intdigest()
+                    hash_chunk(me, i, stored_ptrs[i] + toff, length,
+                               toff + length == entries_me[i]["nbytes"])
                 elif toff + length == entries_me[i]["nbytes"] and sums[me][i] is None:
                     sums[me][i] = hash_tensor(stored[i])
                     if on_device and target is not None and stored[i].device != target:

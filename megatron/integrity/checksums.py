@@ -195,6 +195,11 @@ def checksum_bytes(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+
+
 def _check_plain(t: torch.Tensor, what: str) -> None:
     if type(t).dequantize is not torch.Tensor.dequantize:
         raise TypeError(f"{what} got a quantized tensor ({type(t).__name__}); hash its dequantize()")
@@ -230,8 +235,7 @@ def tensor_checksum(t: torch.Tensor, algorithm: str = ALGORITHM) -> int:
         if t.is_cpu and torch.cuda.is_available():
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
         return device_hash.pmix64(t)
-    if algorithm != ALGORITHM:
-        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    _check_algorithm(algorithm)
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():
@@ -312,8 +316,7 @@ def make_record(owner_rank: int, entries: Iterable[Mapping], algorithm: str = AL
     Raises:
         ValueError: unknown ``algorithm``.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    _check_algorithm(algorithm)
     return {
         "format": FORMAT_NAME,
         "version": 1 if algorithm == ALGORITHM else 2,
