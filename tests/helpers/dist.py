@@ -9,13 +9,17 @@ Usage::
         run_distributed(body, 2, tmp_path)
 
 A failure on any rank fails the test with that rank's traceback. ``body`` runs with
-``torch.distributed`` initialised (backend gloo) and is torn down afterwards.
+``torch.distributed`` initialised (backend gloo) and is torn down afterwards. A rank whose body
+passed leaves through ``os._exit(0)`` after a barrier and ``destroy_process_group()``: gloo's
+threads can otherwise abort the process during interpreter finalization (``terminate called
+without an active exception``, exit code -6), which is torch's teardown, not the body's result.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.multiprocessing as mp
@@ -38,12 +42,16 @@ def _worker(rank, world_size, port, fn, args, errors):
         fn(rank, world_size, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
         try:
             dist.destroy_process_group()
         except Exception:
             pass
+        raise
+    dist.barrier()  # every body passed: no collective is left in flight when groups go
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
