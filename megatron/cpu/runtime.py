@@ -26,7 +26,7 @@ torch level
     exactly as on a GPU, both are saved in checkpoints by upstream's own code, and a resumed run is
     bitwise identical to an uninterrupted one, dropout included.
 
-Megatron level (narrow named patches, see :data:`MEGATRON_PATCHES`)
+Megatron level (narrow named patches, recorded in :mod:`megatron.fixes.registry`)
   * ``initialize_megatron`` is called with ``allow_no_cuda=True`` (``pretrain()`` never passes it).
   * ``torch.distributed.init_process_group``: a CUDA ``device_id`` is dropped for gloo.
   * ``compile_helpers`` (runs ``make``; the wheel ships the prebuilt helper and no Makefile) is
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron.fixes.base import Patcher, PatchSpec
+from megatron.fixes.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger("megatron.cpu")
 
@@ -485,14 +485,15 @@ class CudaToCpuMode(TorchFunctionMode):
 def _in_mode(fn):
     """Wrap ``fn`` so that it runs with :class:`CudaToCpuMode` active (if the backend is)."""
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    @wraps_upstream(fn)
+    def in_cpu_mode(*args, **kwargs):
+        """Runs the wrapped function with the CUDA-to-CPU torch function mode active."""
         if not _state["active"] or torch._C._is_torch_function_mode_enabled() and _mode_on_stack():
             return fn(*args, **kwargs)
         with CudaToCpuMode():
             return fn(*args, **kwargs)
 
-    return wrapper
+    return in_cpu_mode
 
 
 def _mode_on_stack() -> bool:
@@ -504,21 +505,6 @@ def _mode_on_stack() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Megatron-level patches
 # ----------------------------------------------------------------------------------------------
-MEGATRON_PATCHES = (
-    PatchSpec("megatron.training.training.initialize_megatron", "same, with allow_no_cuda=True",
-              "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed"),
-    PatchSpec("torch.distributed.init_process_group", "drops a CUDA device_id for the gloo backend",
-              "_initialize_distributed binds the process group to cuda:<local_rank>"),
-    PatchSpec("megatron.core.datasets.utils.compile_helpers", "no-op when the prebuilt helper imports",
-              "the wheel ships helpers_cpp prebuilt and no Makefile; `make` fails"),
-    PatchSpec("megatron.core.tensor_parallel.random._lazy_call", "calls the callback at once",
-              "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever"),
-    PatchSpec("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu (and its binding in "
-              "token_dispatcher)", "same, but as_numpy also converts tensors already on CPU",
-              "MoE all-to-all split sizes stay tensors when is_cuda is False (moe_utils.py:1184)"),
-)
-
-
 def _install_megatron_patches(p: Patcher) -> None:
     import megatron.core.datasets.utils as ds_utils
     import megatron.core.tensor_parallel.random as tp_random
@@ -526,51 +512,68 @@ def _install_megatron_patches(p: Patcher) -> None:
 
     upstream_init = training.initialize_megatron
 
-    @functools.wraps(upstream_init)
+    @wraps_upstream(upstream_init)
     def initialize_megatron(*args, **kwargs):
+        """Upstream's ``initialize_megatron`` with ``allow_no_cuda=True`` (CPU backend)."""
         kwargs["allow_no_cuda"] = True
         return upstream_init(*args, **kwargs)
 
-    p.replace(training, "initialize_megatron", initialize_megatron)
+    p.replace(training, "initialize_megatron", initialize_megatron,
+              "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed")
 
     upstream_ipg = torch.distributed.init_process_group
 
-    @functools.wraps(upstream_ipg)
+    @wraps_upstream(upstream_ipg)
     def init_process_group(*args, **kwargs):
+        """``torch.distributed.init_process_group`` without a CUDA ``device_id`` (CPU backend)."""
         device_id = kwargs.get("device_id")
         if device_id is not None and _is_cuda_device(device_id):
             _log_once("init_process_group(device_id=cuda)")
             kwargs.pop("device_id")
         return upstream_ipg(*args, **kwargs)
 
-    p.replace(torch.distributed, "init_process_group", init_process_group)
+    p.replace(torch.distributed, "init_process_group", init_process_group,
+              "_initialize_distributed binds the gloo process group to cuda:<local_rank>")
 
     upstream_compile = ds_utils.compile_helpers
 
+    @wraps_upstream(upstream_compile)
     def compile_helpers():
+        """No-op when the prebuilt ``helpers_cpp`` imports; upstream's build otherwise."""
         try:
             from megatron.core.datasets import helpers_cpp  # noqa: F401
         except ImportError:
             return upstream_compile()
         _log_once("compile_helpers (prebuilt helpers_cpp used)")
 
-    p.replace(ds_utils, "compile_helpers", compile_helpers)
-    p.replace(tp_random, "_lazy_call", lambda cb: cb())
+    p.replace(ds_utils, "compile_helpers", compile_helpers,
+              "the wheel ships helpers_cpp prebuilt and no Makefile, so upstream's `make` fails")
+
+    def lazy_call(callback):
+        """Run ``callback`` now (CPU backend: CUDA never initialises)."""
+        callback()
+
+    p.replace(tp_random, "_lazy_call", lazy_call,
+              "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever on CPU")
 
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     upstream_move = moe_utils.maybe_move_tensor_to_cpu
 
-    @functools.wraps(upstream_move)
+    @wraps_upstream(upstream_move)
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        """Upstream's, but ``as_numpy`` also converts a tensor already on CPU."""
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             _log_once("maybe_move_tensor_to_cpu(as_numpy) on a CPU tensor")
             return tensor.numpy()
         return upstream_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    p.replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
-    p.replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    why = ("MoE all-to-all split sizes stay tensors when is_cuda is False, and the dispatcher "
+           "then fails on them (as_numpy is skipped for CPU tensors)")
+    p.replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu, why)
+    p.replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu,
+              why + " (the dispatcher's own binding)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,28 +611,37 @@ def activate() -> None:
         )
     import megatron.core  # noqa: F401  (upstream imports see the real torch.cuda first)
 
-    p = Patcher()
+    p = Patcher("cpu")
     for name, value in _CUDA_STANDINS.items():
-        p.replace(torch.cuda, name, _unique(value))
+        p.replace(torch.cuda, name, _unique(value),
+                  "CPU stand-in: upstream calls torch.cuda directly (devices, streams, RNG, memory)")
     import torch.cuda.random as cuda_random
 
     for name in _CUDA_RANDOM_STANDINS:
-        p.replace(cuda_random, name, _unique(_CUDA_STANDINS[name]))
+        p.replace(cuda_random, name, _unique(_CUDA_STANDINS[name]),
+                  "CPU stand-in: megatron's RNG tracker imports it from torch.cuda.random")
     try:
         import torch.cuda.nvtx as nvtx
 
         for name in ("range_push", "range_pop", "mark"):
-            p.replace(nvtx, name, _unique(_noop))
-        p.replace(nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+            p.replace(nvtx, name, _unique(_noop), "no NVTX without CUDA: a no-op")
+
+        def nvtx_range(*args, **kwargs):
+            """No NVTX without CUDA: an empty context."""
+            return contextlib.nullcontext()
+
+        p.replace(nvtx, "range", nvtx_range, "no NVTX without CUDA: an empty context")
     except ImportError:  # pragma: no cover
         pass
 
     # Torch function modes are per thread and disabled inside autograd's backward.
     upstream_bootstrap = threading.Thread._bootstrap_inner
-    p.replace(threading.Thread, "_bootstrap_inner", _in_mode(upstream_bootstrap))
+    p.replace(threading.Thread, "_bootstrap_inner", _in_mode(upstream_bootstrap),
+              "torch function modes are per thread: new threads enter the CUDA-to-CPU mode")
     from torch.autograd.function import BackwardCFunction
 
-    p.replace(BackwardCFunction, "apply", _in_mode(BackwardCFunction.apply))
+    p.replace(BackwardCFunction, "apply", _in_mode(BackwardCFunction.apply),
+              "torch function modes are off inside autograd's backward: it re-enters the mode")
 
     _install_megatron_patches(p)
     _RANDOM[0] = random_callables()

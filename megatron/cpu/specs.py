@@ -15,7 +15,7 @@ falls back to the unfused attention otherwise). So for MLA:
   ``mla_down_proj_fusion``, ``FusedMLASelfAttention`` with one ``linear_qkv_down_proj``).
 * MTP (``--mtp-num-layers``): upstream's ``megatron.training.models.gpt.mtp_block_spec`` ignores
   ``transformer_layer_spec`` and rebuilds the MTP inner layer from the local decoder specs, so it
-  is wrapped (one named patch, :data:`PATCHES`) to pass its result through the same swap, only
+  is wrapped (one named patch, recorded in the registry) to pass its result through the same swap, only
   for configs adapted here.
 
 Everything else (the model class, parameter names, initialisation order) stays upstream's, so a
@@ -26,25 +26,15 @@ separate module ``input_layernorm``, as in upstream's fused spec without layerno
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
-from megatron.fixes.base import Patcher, PatchSpec
+from megatron.fixes.registry import Patcher, wraps_upstream
 
 #: Attribute set on an adapted ``GPTModelConfig``: ``{'fuse_down_proj': bool, 'base': spec}``.
 MARK = "_cpu_backend_mla"
 
-PATCHES = (
-    PatchSpec(
-        target="megatron.training.models.gpt.mtp_block_spec",
-        replacement="megatron.cpu.specs.cpu_mtp_block_spec (upstream's result through "
-                    "cpu_mla_layer_spec, for configs marked by adapt_model_config)",
-        why="the MTP inner layer of an MLA model is rebuilt from the local spec, whose "
-            "DotProductAttention cannot build MLA"),
-)
-
-_patcher = Patcher()
+_patcher = Patcher("cpu")
 _state: dict[str, Any] = {"installed": False}
 
 
@@ -95,15 +85,19 @@ def install() -> None:
 
     original = gpt.mtp_block_spec
 
-    @functools.wraps(original)
+    @wraps_upstream(original)
     def cpu_mtp_block_spec(config, transformer_layer_spec, vp_stage=None):
+        """Upstream's MTP block spec, its inner layer rebuilt by ``cpu_mla_layer_spec`` for
+        configs marked by :func:`adapt_model_config`."""
         spec = original(config, transformer_layer_spec, vp_stage=vp_stage)
         mark = getattr(config, MARK, None)
         if spec is None or mark is None:
             return spec
         return cpu_mla_layer_spec(spec, fuse_down_proj=mark["fuse_down_proj"])
 
-    _patcher.replace(gpt, "mtp_block_spec", cpu_mtp_block_spec)
+    _patcher.replace(gpt, "mtp_block_spec", cpu_mtp_block_spec,
+                     "the MTP inner layer of an MLA model is rebuilt from the local spec, whose "
+                     "DotProductAttention cannot build MLA")
     _state["installed"] = True
 
 

@@ -1,24 +1,92 @@
-"""``python -m megatron.fixes``: apply the fixes and print what each one is and does."""
+"""``python -m megatron.fixes [--json] [--fixes-only]``: every upstream attribute this overlay
+replaces, from the patch registry.
 
+By default it installs what ``pretrain_gpt.py`` can install (the fixes; the CPU backend when no
+CUDA device is present; the persistent tier, the validated local tier and the loss log, as for
+``--non-persistent-ckpt-type local --loss-log PATH``) and prints each fix, then every replacement
+record with its owner and reason; targets replaced more than once are flagged with their order.
+``--json`` prints one object per replacement (target, replacement, owner, why, adds_attribute,
+depth) plus the fixes' statuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
 import logging
+import os
 import sys
 
 from megatron.fixes import apply, fixes
+from megatron.fixes.registry import REGISTRY
 
 
-def main() -> int:
+def install_components() -> list[str]:
+    """Install the non-fix components as ``pretrain_gpt.py`` would for a run with every one of
+    them on; returns the names of those installed (the CPU backend only without a CUDA device)."""
+    import torch
+
+    from megatron.training_ext import args as fork_args
+
+    installed = []
+    argv = ["pretrain_gpt.py", "--non-persistent-ckpt-type", "local", "--loss-log", os.devnull,
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    if not torch.cuda.is_available():
+        argv.append("--cpu")
+        if fork_args.prepare_cpu_backend(argv):
+            from megatron.cpu import specs
+
+            specs.install()
+            installed.append("cpu")
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        args = parse_args(extra_args_provider=fork_args.add_fork_args)
+    finally:
+        sys.argv = saved
+    fork_args.validate_fork_args(args)
+    fork_args.install_training_hooks(args)
+    return installed + ["persistent_tier", "local_tier", "loss_log"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron.fixes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--fixes-only", action="store_true",
+                        help="install and list the fixes only (no CPU backend, no training hooks)")
+    opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     statuses = apply()
+    if not opts.fixes_only:
+        install_components()
+    records = REGISTRY.records()
+    stacked = REGISTRY.stacked()
+    if opts.json:
+        print(json.dumps({
+            "fixes": [{"name": f.name, "title": f.title, "upstream": list(f.upstream_refs),
+                       "package": f.package, "supported": f.supported,
+                       "installed": f.installed_version(), "status": statuses[f.name].value,
+                       "reason": f.reason} for f in fixes()],
+            "replacements": [r.as_dict() for r in records],
+        }, indent=1))
+        return 0
     for fix in fixes():
         print(f"{fix.name}: {fix.title}")
         print(f"  upstream:  {', '.join(fix.upstream_refs)}")
         print(f"  targets:   {fix.package}{fix.supported} (installed: {fix.installed_version()})")
         print(f"  status:    {statuses[fix.name].value}" + (f" ({fix.reason})" if fix.reason else ""))
-        for p in fix.patches:
-            print(f"  replaces:  {p.target}")
-            print(f"       with: {p.replacement}")
-            print(f"        why: {p.why}")
         print()
+    print(f"{len(records)} replacements of upstream attributes (owner: target -> replacement):")
+    for r in records:
+        flags = [f"stacked {r.depth}/{len(stacked[r.target])}"] if r.target in stacked else []
+        if r.adds_attribute:
+            flags.append("adds the attribute")
+        print(f"- [{r.owner}] {r.target}" + (f"  ({'; '.join(flags)})" if flags else ""))
+        print(f"      with: {r.replacement}")
+        print(f"       why: {r.why}")
     return 0
 
 

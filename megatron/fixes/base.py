@@ -7,8 +7,9 @@ A fix is an object that knows
   * how to tell that the installed upstream already behaves (``upstream_behaves``), in which case it
     stands aside instead of patching.
 
-Patches go through :class:`Patcher`, which records the original object so that every patch can be
-listed and undone (tests use :func:`megatron.fixes.reset`).
+Patches go through a :class:`megatron.fixes.registry.Patcher`, which records each replacement in
+the one registry so that every patch can be listed and undone (tests use
+:func:`megatron.fixes.reset`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from megatron.fixes.registry import Patcher, PatchRecord, dotted_name
 
 logger = logging.getLogger("megatron.fixes")
 
@@ -40,12 +43,11 @@ class FixStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """One upstream attribute a fix replaces or wraps.
+    """One upstream attribute a fix replaces (a view of a :class:`PatchRecord`).
 
     Attributes:
-        target: dotted path of the upstream attribute, e.g.
-            ``nvidia_resiliency_ext.checkpointing.local.replication.strategies.CliqueReplicationStrategy``.
-        replacement: dotted path (or short description) of what takes its place.
+        target: dotted path of the upstream attribute.
+        replacement: dotted path of what takes its place.
         why: one sentence: the defect the replacement removes.
     """
 
@@ -54,31 +56,30 @@ class PatchSpec:
     why: str
 
 
-class Patcher:
-    """Replaces attributes of upstream objects and remembers the originals."""
+class _FixPatcher(Patcher):
+    """A fix's :class:`Patcher`; ``why`` may come from the fix's declared ``patches``."""
+
+    def __init__(self, fix: "Fix") -> None:
+        super().__init__(fix.name)
+        self._fix = fix
+
+    def replace(self, obj: Any, name: str, new: Any, why: str | None = None) -> Any:
+        if why is None:
+            declared = type(self._fix).__dict__.get("patches", ())
+            why = next((p.why for p in declared if p.target.rsplit(".", 1)[-1] == name),
+                       f"part of fix {self._fix.name}: {self._fix.title}")
+        return super().replace(obj, name, new, why)
+
+
+class _DryRunPatcher:
+    """Collects what ``install`` would replace without replacing anything."""
 
     def __init__(self) -> None:
-        self._originals: list[tuple[Any, str, Any, bool]] = []
+        self.specs: list[PatchSpec] = []
 
-    def replace(self, owner: Any, name: str, new: Any) -> Any:
-        """Set ``owner.name = new``; returns the original (``None`` if there was none)."""
-        had = name in vars(owner) if hasattr(owner, "__dict__") else hasattr(owner, name)
-        old = getattr(owner, name, None)
-        self._originals.append((owner, name, old, had))
-        setattr(owner, name, new)
-        return old
-
-    def restore(self) -> None:
-        """Undo every replacement, newest first."""
-        while self._originals:
-            owner, name, old, had = self._originals.pop()
-            if had:
-                setattr(owner, name, old)
-            else:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
+    def replace(self, obj: Any, name: str, new: Any, why: str | None = None) -> Any:
+        self.specs.append(PatchSpec(f"{dotted_name(obj)}.{name}", dotted_name(new), why or ""))
+        return getattr(obj, name, None)
 
 
 class Fix(abc.ABC):
@@ -90,12 +91,29 @@ class Fix(abc.ABC):
     upstream_refs: tuple[str, ...]
     package: str
     supported: str
-    patches: tuple[PatchSpec, ...]
 
     def __init__(self) -> None:
         self.status = FixStatus.NOT_APPLIED
         self.reason = ""
-        self._patcher = Patcher()
+        self._patcher = _FixPatcher(self)
+
+    @property
+    def patches(self) -> tuple[PatchSpec, ...]:
+        """What this fix replaces: its registry records once installed, else what :meth:`install`
+        would replace (a dry run that replaces nothing)."""
+        records = self.records()
+        if records:
+            return tuple(PatchSpec(r.target, r.replacement, r.why) for r in records)
+        dry = _DryRunPatcher()
+        try:
+            self.install(dry)  # type: ignore[arg-type]
+        except Exception:  # a dry run must never break a listing
+            logger.debug("fix %s: dry-run install failed", self.name, exc_info=True)
+        return tuple(dry.specs)
+
+    def records(self) -> list[PatchRecord]:
+        """This fix's live :class:`PatchRecord` s in the registry."""
+        return self._patcher.records()
 
     def installed_version(self) -> str | None:
         """Version of ``package`` installed in this environment, or ``None``."""

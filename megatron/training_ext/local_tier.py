@@ -16,7 +16,6 @@ Flags (``megatron/training_ext/args.py``): ``--no-local-tier-validation`` (upstr
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import json
@@ -37,7 +36,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.fixes.base import Patcher
+from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.integrity import checksums as ck
 from megatron.integrity import local_identity
 from megatron.training_ext.console import write_line
@@ -107,7 +106,7 @@ class _State:
 
 
 _STATE: Optional[_State] = None
-_PATCHER = Patcher()
+_PATCHER = Patcher("local_tier")
 _UP: dict[str, Any] = {}
 
 
@@ -1034,8 +1033,10 @@ def _exit_now(iteration: int, reason: str) -> None:
 def _wrap_train_step(upstream):
     sig = inspect.signature(upstream)
 
-    @functools.wraps(upstream)
+    @wraps_upstream(upstream)
     def train_step(*a, **kw):
+        """Upstream's ``train_step``; inside the NaN window after a local-tier resume, a
+        non-finite loss or grad norm marks the local tier bad and exits."""
         st = _STATE
         iteration = sig.bind(*a, **kw).arguments.get("iteration")
         if (st is None or st.nan_window <= 0 or st.local_load_iteration is None
@@ -1082,9 +1083,10 @@ def _wrap_train_step(upstream):
 
 
 def _wrap_validate_result(upstream):
-    @functools.wraps(upstream)
+    @wraps_upstream(upstream)
     def validate_result(self, result, rejection_func, message, comparison_func=None,
                         tolerance=0.0, fatal=True):
+        """Upstream's ``validate_result``; deferred while the NaN window decides."""
         st = _STATE
         if st is not None and st.deferring and fatal:
             from megatron.core.rerun_state_machine import RerunMode
@@ -1162,14 +1164,18 @@ def install(args: Any) -> None:
 
     _STATE = _State(validation=validation, nan_window=window, args=args,
                     settings=local_identity.run_settings(args), topology=local_identity.topology(args))
-    _PATCHER.replace(local_manager, "LocalCheckpointManager", ValidatedLocalCheckpointManager)
-    for owner, name, wrap in (
-        (training, "train_step", _wrap_train_step),
-        (rsm.RerunStateMachine, "validate_result", _wrap_validate_result),
+    _PATCHER.replace(local_manager, "LocalCheckpointManager", ValidatedLocalCheckpointManager,
+                     "pretrain() builds this class: local files are verified (checksums, identity, "
+                     "finiteness) and a bad local tier falls back to the persistent checkpoint")
+    for owner, name, wrap, why in (
+        (training, "train_step", _wrap_train_step,
+         "the NaN window after a local-tier resume watches each iteration's loss and grad norm"),
+        (rsm.RerunStateMachine, "validate_result", _wrap_validate_result,
+         "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun"),
     ):
         original = getattr(owner, name)
         _UP[name] = original
-        _PATCHER.replace(owner, name, wrap(original))
+        _PATCHER.replace(owner, name, wrap(original), why)
     logger.info("local_tier: validated local checkpoint tier installed (NaN window %d)", window)
 
 

@@ -10,12 +10,14 @@ Floats are written with ``float.hex`` so that two runs can be compared bit for b
 
 from __future__ import annotations
 
-import functools
 import json
 
 import torch
 
+from megatron.fixes.registry import Patcher, wraps_upstream
+
 _installed: dict[str, object] = {}
+_PATCHER = Patcher("loss_log")
 
 
 def _as_float(value) -> float | None:
@@ -34,9 +36,10 @@ def install(path: str) -> None:
         return
     upstream = _installed.get("upstream") or training.training_log
 
-    @functools.wraps(upstream)
+    @wraps_upstream(upstream)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                      report_memory_flag, skipped_iter, grad_norm, params_norm, *args, **kwargs):
+        """Upstream's ``training_log``, after appending this iteration's losses to the log."""
         rank_ok = (not torch.distributed.is_initialized()
                    or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)
         if rank_ok and loss_dict:
@@ -51,7 +54,9 @@ def install(path: str) -> None:
         return upstream(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                         report_memory_flag, skipped_iter, grad_norm, params_norm, *args, **kwargs)
 
-    training.training_log = training_log
+    _PATCHER.restore()
+    _PATCHER.replace(training, "training_log", training_log,
+                     "--loss-log: each iteration's reduced losses and grad norm, exact (float.hex)")
     _installed.update(path=path, upstream=upstream)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from megatron.fixes.base import Patcher
+from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.integrity import manifest as mf
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.training_ext.console import write_line
@@ -126,7 +126,7 @@ class _Policy:
 
 
 _POLICY: Optional[_Policy] = None
-_PATCHER = Patcher()
+_PATCHER = Patcher("persistent_tier")
 _VERIFIED: Dict[str, mf.VerifySummary] = {}  # realpath -> what was verified (this process)
 
 
@@ -185,7 +185,7 @@ def _bind(sig: inspect.Signature, args, kwargs) -> inspect.BoundArguments:
 def _wrap_save(orig):
     sig = inspect.signature(orig)
 
-    @functools.wraps(orig)
+    @wraps_upstream(orig)
     def save(*args, **kwargs):
         """dist_checkpointing.save that writes integrity.json (xxh3 blocks, hashed by the ranks
         that wrote the files) by default (megatron.training_ext.persistent_tier)."""
@@ -210,7 +210,7 @@ def _wrap_save(orig):
 def _wrap_load(orig):
     sig = inspect.signature(orig)
 
-    @functools.wraps(orig)
+    @wraps_upstream(orig)
     def load(*args, **kwargs):
         """dist_checkpointing.load that verifies the directory first (once per process)
         (megatron.training_ext.persistent_tier)."""
@@ -224,7 +224,7 @@ def _wrap_load(orig):
 
 
 def _wrap_load_common(orig):
-    @functools.wraps(orig)
+    @wraps_upstream(orig)
     def load_common_state_dict(checkpoint_dir, *args, **kwargs):
         """dist_checkpointing.load_common_state_dict that verifies the directory first
         (megatron.training_ext.persistent_tier)."""
@@ -253,7 +253,7 @@ def _previous_complete(failed: Path, tried: set) -> Optional[int]:
 
 
 def _wrap_load_checkpoint(orig, get_args):
-    @functools.wraps(orig)
+    @wraps_upstream(orig)
     def load_checkpoint(*args, **kwargs):
         """megatron.training load_checkpoint that falls back to the previous complete persistent
         checkpoint when the newest fails verification (megatron.training_ext.persistent_tier)."""
@@ -332,13 +332,19 @@ def install(args: Any) -> None:
                                f"{missing[0]!r}; this module targets megatron-core 0.19.2")
     _POLICY = policy
     for owner in (dc, ser):
-        _PATCHER.replace(owner, "save", _wrap_save(getattr(owner, "save")))
-        _PATCHER.replace(owner, "load", _wrap_load(getattr(owner, "load")))
-        _PATCHER.replace(owner, "load_common_state_dict", _wrap_load_common(getattr(owner, "load_common_state_dict")))
+        _PATCHER.replace(owner, "save", _wrap_save(getattr(owner, "save")),
+                         "every torch_dist save writes integrity.json (per-block xxh3) when done")
+        _PATCHER.replace(owner, "load", _wrap_load(getattr(owner, "load")),
+                         "a torch_dist load verifies sizes and checksums before reading")
+        _PATCHER.replace(owner, "load_common_state_dict",
+                         _wrap_load_common(getattr(owner, "load_common_state_dict")),
+                         "the common state is verified before it is unpickled")
     wrapped = _wrap_load_checkpoint(ckpt.load_checkpoint, lambda: ckpt.get_args())
-    _PATCHER.replace(ckpt, "load_checkpoint", wrapped)
+    why = ("a checkpoint that fails verification falls back to the previous complete one, on "
+           "every rank together")
+    _PATCHER.replace(ckpt, "load_checkpoint", wrapped, why)
     if getattr(training, "load_checkpoint", None) is not None:
-        _PATCHER.replace(training, "load_checkpoint", wrapped)
+        _PATCHER.replace(training, "load_checkpoint", wrapped, why + " (train()'s own binding)")
     logger.info("persistent_tier: installed (write=%s verify=%s require=%s)", policy.write, policy.verify,
                 policy.require)
 
