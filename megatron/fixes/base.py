@@ -173,3 +173,33 @@ class Fix(abc.ABC):
         """Undo this fix's patches (for tests)."""
         self._patcher.restore()
         self.status, self.reason = FixStatus.NOT_APPLIED, ""
+
+
+class FixGroup(Fix):
+    """Several fixes released upstream together (one PR, one flag to disable), each its own
+    :class:`Fix` with its own probe: a part stands aside when upstream already behaves for it.
+
+    Subclasses set the class attributes of :class:`Fix` and ``parts`` (instances, in install
+    order). The group is active when it installed at least one part.
+    """
+
+    parts: tuple[Fix, ...] = ()
+
+    def upstream_behaves(self) -> bool:
+        return all(part.upstream_behaves() for part in self.parts)
+
+    def install(self, patcher: Patcher) -> None:
+        if isinstance(patcher, _DryRunPatcher):
+            for part in self.parts:
+                part.install(patcher)  # type: ignore[arg-type]
+            return
+        for part in self.parts:
+            part.apply()
+
+    def records(self) -> list[PatchRecord]:
+        return [r for part in self.parts for r in part.records()]
+
+    def reset(self) -> None:
+        for part in reversed(self.parts):
+            part.reset()
+        super().reset()
