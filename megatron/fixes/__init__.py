@@ -5,9 +5,10 @@ Usage::
     import megatron.fixes
     megatron.fixes.apply()          # idempotent; pretrain_gpt.py calls it before anything else
 
-``python -m megatron.fixes`` lists each fix, the upstream report it answers, what it replaces and
-whether it is active. Importing this package does no work beyond definitions: the fix modules (which
-import upstream) are loaded by :func:`fixes`.
+``python -m megatron.fixes [--json]`` lists each fix, the upstream report it answers, whether it is
+active, and every upstream attribute replaced (:mod:`megatron.fixes.registry`). Importing this
+package does no work beyond definitions: the fix modules (which import upstream) are loaded by
+:func:`fixes`.
 """
 
 from __future__ import annotations
@@ -38,16 +39,7 @@ __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply",
 
 def fixes() -> list[Fix]:
     """The registered fixes (importing their modules on first call)."""
-    out = []
-    for name in FIX_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # fix not written yet in this checkout
-                continue
-            raise
-        out.append(module.FIX)
-    return out
+    return [importlib.import_module(name).FIX for name in FIX_MODULES]
 
 
 #: Comma-separated fix names to leave out (for bisecting a problem, and for the guard tests that

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             "fixes": [{"name": f.name, "title": f.title, "upstream": list(f.upstream_refs),
                        "package": f.package, "supported": f.supported,
                        "installed": f.installed_version(), "status": statuses[f.name].value,
-                       "reason": f.reason} for f in fixes()],
+                       "reason": f.reason,
+                       "parts": [{"name": p.name, "title": p.title, "status": p.status.value}
+                                 for p in getattr(f, "parts", ())]} for f in fixes()],
             "replacements": [r.as_dict() for r in records],
         }, indent=1))
         return 0
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  upstream:  {', '.join(fix.upstream_refs)}")
         print(f"  targets:   {fix.package}{fix.supported} (installed: {fix.installed_version()})")
         print(f"  status:    {statuses[fix.name].value}" + (f" ({fix.reason})" if fix.reason else ""))
+        for part in getattr(fix, "parts", ()):
+            print(f"  - part {part.name}: {part.title} [{part.status.value}]")
         print()
     print(f"{len(records)} replacements of upstream attributes (owner: target -> replacement):")
     for r in records:

@@ -28,12 +28,12 @@ the nvrx strategy supports it. Detection of a fixed upstream is by behaviour: a 
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import types
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
 _MODULE = "megatron.training.async_utils"
 #: Modules holding a module-global ``_results_queue`` (nvrx strategy, mcore strategy).
@@ -94,19 +94,6 @@ class AsyncResetFix(Fix):
     )
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(f"{_MODULE}.reset_persistent_async_worker",
-                  "megatron.fixes.async_reset (upstream's, then drop_results_queues())",
-                  "the real module-global results queue keeps the aborted save's write results, "
-                  "which the next save's finalisation takes: its metadata describes other files"),
-        PatchSpec("megatron.training.inprocess_restart.reset_persistent_async_worker",
-                  "the same replacement (imported there by name)",
-                  "in-process restart's AbortCheckpoint calls it through that name"),
-        PatchSpec(f"{_MODULE}._get_async_calls_queue",
-                  "same, with cpu_shm_mode=args.async_ckpt_use_cpu_shm (nvrx strategy)",
-                  "the queue rebuilt after a reset drops --async-ckpt-use-cpu-shm: on CPU its "
-                  "worker initialises CUDA, dies, and the trainer waits for it forever"),
-    )
 
     def upstream_behaves(self) -> bool:
         au = importlib.import_module(_MODULE)
@@ -164,7 +151,7 @@ class AsyncResetFix(Fix):
         au = importlib.import_module(_MODULE)
         upstream_reset = au.reset_persistent_async_worker
 
-        @functools.wraps(upstream_reset)
+        @wraps_upstream(upstream_reset)
         def reset_persistent_async_worker(async_strategy):
             """Upstream's abort of async checkpointing, then the real write-results queues dropped
             (:func:`megatron.fixes.async_reset.drop_results_queues`): the next save starts from an
@@ -188,10 +175,15 @@ class AsyncResetFix(Fix):
                     persistent=getattr(args, "use_persistent_ckpt_worker", False), **kwargs)
             return au._async_calls_queue
 
-        patcher.replace(au, "reset_persistent_async_worker", reset_persistent_async_worker)
-        patcher.replace(au, "_get_async_calls_queue", _get_async_calls_queue)
+        patcher.replace(au, "reset_persistent_async_worker", reset_persistent_async_worker,
+                        "the module-global results queue keeps the aborted save's write results, "
+                        "which the next save's finalisation takes: its metadata describes other files")
+        patcher.replace(au, "_get_async_calls_queue", _get_async_calls_queue,
+                        "the queue rebuilt after a reset drops --async-ckpt-use-cpu-shm: on CPU its "
+                        "worker initialises CUDA, dies, and the trainer waits for it forever")
         restart = importlib.import_module("megatron.training.inprocess_restart")
-        patcher.replace(restart, "reset_persistent_async_worker", reset_persistent_async_worker)
+        patcher.replace(restart, "reset_persistent_async_worker", reset_persistent_async_worker,
+                        "in-process restart's AbortCheckpoint calls it through that name")
 
 
 FIX = AsyncResetFix()

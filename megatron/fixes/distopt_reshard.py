@@ -25,16 +25,14 @@ refusal text is looked up in upstream's ``load_checkpoint``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from types import SimpleNamespace
 
 import torch
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
-_TARGET = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
-_LOAD = "megatron.training.checkpointing.load_checkpoint"
 
 #: The part of upstream's refusal (``load_checkpoint``) that names the flag that changes nothing.
 UPSTREAM_ADVICE = "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving."
@@ -109,15 +107,6 @@ class DistOptReshardFix(Fix):
     )
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(f"{_TARGET}._set_main_param_and_optimizer_states",
-                  "megatron.fixes.distopt_reshard (a source without 'step' leaves Adam's step alone)",
-                  "fully-reshardable loads raise KeyError: 'step' on every rank with torch Adam"),
-        PatchSpec(_LOAD, "megatron.fixes.distopt_reshard (same refusal, advice that works)",
-                  "the refusal to change TP/PP names --ckpt-fully-parallel-save, which has no effect"),
-        PatchSpec("megatron.training.training.load_checkpoint", f"the {_LOAD} above",
-                  "pretrain() calls the name it imported"),
-    )
 
     def upstream_behaves(self) -> bool:
         from megatron.training import checkpointing
@@ -135,8 +124,9 @@ class DistOptReshardFix(Fix):
         D = dopt.DistributedOptimizer
         upstream_set = D._set_main_param_and_optimizer_states
 
-        @functools.wraps(upstream_set)
+        @wraps_upstream(upstream_set)
         def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            """Upstream's, but a source without ``step`` leaves Adam's step alone."""
             # Upstream skips source entries that are not tensors: a missing 'step' becomes one.
             # Only 'step' (0-dim, kept in the param groups by the model-space formats); any other
             # missing key still raises upstream's KeyError.
@@ -144,12 +134,14 @@ class DistOptReshardFix(Fix):
                 tensors = {**tensors, "step": None}
             return upstream_set(self, model_param, tensors)
 
-        patcher.replace(D, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+        patcher.replace(D, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states,
+                        "fully-reshardable loads raise KeyError: 'step' on every rank with torch Adam")
 
         upstream_load = checkpointing.load_checkpoint
 
-        @functools.wraps(upstream_load)
+        @wraps_upstream(upstream_load)
         def load_checkpoint(*args, **kwargs):
+            """Upstream's; its TP/PP refusal names the flags that work."""
             try:
                 return upstream_load(*args, **kwargs)
             except RuntimeError as e:
@@ -159,9 +151,12 @@ class DistOptReshardFix(Fix):
                 # from None: upstream's text, chained, would repeat the advice that does not work.
                 raise RuntimeError(better) from None
 
-        patcher.replace(checkpointing, "load_checkpoint", load_checkpoint)
+        patcher.replace(checkpointing, "load_checkpoint", load_checkpoint,
+                        "the refusal to change TP/PP names --ckpt-fully-parallel-save, which has "
+                        "no effect; the replacement names the flags that work")
         if getattr(training, "load_checkpoint", None) is upstream_load:
-            patcher.replace(training, "load_checkpoint", load_checkpoint)
+            patcher.replace(training, "load_checkpoint", load_checkpoint,
+                            "pretrain() calls the load_checkpoint it imported by name")
 
 
 FIX = DistOptReshardFix()

@@ -5,7 +5,7 @@ runs from resuming when the inner optimizer is torch's Adam (no apex, no TE: eve
 containers without them) or when parameters are fp32 (no ``--bf16``/``--fp16``):
 
 1. ``state_dict()`` extracts Adam's ``step`` from the per-parameter state and asserts exactly one
-   value (``distrib_optimizer.py:839``). On resume, the load template is built from a *fresh*
+   value (``DistributedOptimizer.state_dict``, non-apex branch). On resume, the load template is built from a *fresh*
    optimizer whose per-parameter state is still empty, so the assertion fails before anything is
    read. The replacement reports step 0 for a fresh optimizer; ``load_state_dict`` then takes the
    checkpoint's step, exactly as upstream does.
@@ -28,33 +28,21 @@ and the copy already under ``no_grad``. The fully-reshardable format
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
-_TARGET = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 
 
 class DistOptResumeFix(Fix):
     name = "distopt_resume"
     title = "distributed-optimizer resume without apex/TE and with fp32 params"
-    upstream_refs = ("megatron-core distrib_optimizer.py:839 (non-apex step assertion)",)
+    upstream_refs = ("megatron-core DistributedOptimizer.state_dict (non-apex step assertion)",)
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(f"{_TARGET}.state_dict", "megatron.fixes.distopt_resume (fresh optimizer -> step 0)",
-                  "resume without apex/TE asserts on the empty state of a fresh torch Adam"),
-        PatchSpec(f"{_TARGET}.load_state_dict",
-                  "same, then each parameter's step = the checkpoint's step, one tensor each",
-                  "one shared step tensor, later overwritten by the template's 0, restarts Adam's "
-                  "bias correction after resume"),
-        PatchSpec(f"{_TARGET}._set_main_param_and_optimizer_states",
-                  "same, under torch.no_grad()",
-                  "fp32 resume copy_()s into views of leaf parameters with autograd on"),
-    )
 
     def upstream_behaves(self) -> bool:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
@@ -72,8 +60,9 @@ class DistOptResumeFix(Fix):
         D = dopt.DistributedOptimizer
         upstream_state_dict = D.state_dict
 
-        @functools.wraps(upstream_state_dict)
+        @wraps_upstream(upstream_state_dict)
         def state_dict(self):
+            """Upstream's; a fresh torch optimizer reports step 0."""
             if dopt.HAVE_APEX_OR_TE or self.optimizer.state:
                 return upstream_state_dict(self)
             # A fresh torch optimizer (the load template on resume): no per-parameter state yet,
@@ -87,11 +76,13 @@ class DistOptResumeFix(Fix):
                 out["grad_scaler"] = self.grad_scaler.state_dict()
             return out
 
-        patcher.replace(D, "state_dict", state_dict)
+        patcher.replace(D, "state_dict", state_dict,
+                        "resume without apex/TE asserts on the empty state of a fresh torch Adam")
         upstream_load = D.load_state_dict
 
-        @functools.wraps(upstream_load)
+        @wraps_upstream(upstream_load)
         def load_state_dict(self, state_dict):
+            """Upstream's; then each parameter's step is the checkpoint's."""
             result = upstream_load(self, state_dict)
             if dopt.HAVE_APEX_OR_TE or "param_state" not in state_dict:
                 return result  # apex/TE keep step per group; or the template pass before the load
@@ -105,9 +96,12 @@ class DistOptResumeFix(Fix):
                     state["step"] = torch.tensor(step, dtype=torch.float32)
             return result
 
-        patcher.replace(D, "load_state_dict", load_state_dict)
+        patcher.replace(D, "load_state_dict", load_state_dict,
+                        "one shared step tensor, later overwritten by the template's 0, restarts "
+                        "Adam's bias correction after resume")
         patcher.replace(D, "_set_main_param_and_optimizer_states",
-                        torch.no_grad()(D._set_main_param_and_optimizer_states))
+                        torch.no_grad()(D._set_main_param_and_optimizer_states),
+                        "fp32 resume copy_()s into views of leaf parameters with autograd on")
 
 
 FIX = DistOptResumeFix()

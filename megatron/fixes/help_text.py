@@ -16,12 +16,11 @@ Detection of a fixed upstream is by capability: every help string of upstream's 
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
-_TARGET = "megatron.training.arguments.add_megatron_arguments"
 _BARE_PERCENT = re.compile(r"%(?!\(\w+\)[a-z]|%)")
 
 
@@ -58,10 +57,6 @@ class HelpTextFix(Fix):
     upstream_refs = ("megatron-core arguments.py --moe-paged-stash-buffer-size-factor-cuda help '10%)'",)
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(_TARGET, "megatron.fixes.help_text (then escape_help on the parser)",
-                  "an unescaped % in a help string makes argparse raise ValueError on --help"),
-    )
 
     def upstream_behaves(self) -> bool:
         from megatron.training import arguments
@@ -73,13 +68,15 @@ class HelpTextFix(Fix):
 
         upstream = arguments.add_megatron_arguments
 
-        @functools.wraps(upstream)
+        @wraps_upstream(upstream)
         def add_megatron_arguments(parser):
+            """Upstream's, then every help string's bare ``%`` escaped."""
             parser = upstream(parser)
             escape_help(parser)
             return parser
 
-        patcher.replace(arguments, "add_megatron_arguments", add_megatron_arguments)
+        patcher.replace(arguments, "add_megatron_arguments", add_megatron_arguments,
+                        "an unescaped % in a help string makes argparse raise ValueError on --help")
 
 
 FIX = HelpTextFix()

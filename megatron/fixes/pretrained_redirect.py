@@ -18,14 +18,13 @@ has none. Detection of a fixed upstream is by source capability: the pretrained 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 from typing import Any, Optional
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
-_TARGET = "megatron.training.checkpointing.load_checkpoint"
 
 
 def run_non_persistent_iteration(args: Any, load_dir: Optional[str],
@@ -67,13 +66,6 @@ class PretrainedRedirectFix(Fix):
                      "megatron-core load_checkpoint: checkpoint_exists() reads only the persistent tracker")
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(_TARGET, "megatron.fixes.pretrained_redirect (--pretrained-checkpoint hidden while "
-                  "the run has a non-persistent checkpoint)",
-                  "a restart after only non-persistent saves starts over from the pretrained weights"),
-        PatchSpec("megatron.training.training.load_checkpoint", "the same wrapper",
-                  "pretrain() calls load_checkpoint through training's own import"),
-    )
 
     def upstream_behaves(self) -> bool:
         from megatron.training import checkpointing as ckpt
@@ -91,8 +83,9 @@ class PretrainedRedirectFix(Fix):
         load_arg_pos = params.index("load_arg")
         context_pos = params.index("checkpointing_context")
 
-        @functools.wraps(upstream)
+        @wraps_upstream(upstream)
         def load_checkpoint(*a, **kw):
+            """Upstream's; ``--pretrained-checkpoint`` is hidden while the run has its own."""
             args = ckpt.get_args()
             pretrained = getattr(args, "pretrained_checkpoint", None)
             load_arg = kw.get("load_arg", a[load_arg_pos] if len(a) > load_arg_pos else "load")
@@ -113,9 +106,12 @@ class PretrainedRedirectFix(Fix):
             finally:
                 args.pretrained_checkpoint = pretrained
 
-        patcher.replace(ckpt, "load_checkpoint", load_checkpoint)
+        patcher.replace(ckpt, "load_checkpoint", load_checkpoint,
+                        "a restart after only non-persistent saves starts over from the "
+                        "--pretrained-checkpoint weights instead of the run's newest checkpoint")
         if getattr(training, "load_checkpoint", None) is upstream:
-            patcher.replace(training, "load_checkpoint", load_checkpoint)
+            patcher.replace(training, "load_checkpoint", load_checkpoint,
+                            "pretrain() calls load_checkpoint through training's own import")
 
 
 FIX = PretrainedRedirectFix()

@@ -26,20 +26,18 @@ exactly what it wrote, for any TP/PP/EP/ETP/CP. Each saved state records its top
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import logging
 from typing import Any
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
 logger = logging.getLogger("megatron.fixes")
 
 PER_RANK_KEY = "rng_state_per_rank"
 _EXPERT_PREFIX = "expert"  # tracker names of per-expert-rank streams: expert-parallel-rng, expert-...
-_GET = "megatron.training.checkpointing.get_rng_state"
-_LOAD = "megatron.core.dist_checkpointing.load"
 
 
 def state_digest(state: Any) -> str:
@@ -85,17 +83,6 @@ class RngStateEpFix(Fix):
     upstream_refs = ("Megatron-LM PR 6858 (get_rng_state keys rng_state by (PP, TP) only)",)
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(_GET, "megatron.fixes.rng_state_ep: same states, one ShardedObject per rank "
-                  f"('{PER_RANK_KEY}', shape (world,), offset (rank,)) with its topology",
-                  "EP ranks sharing (PP, TP) share one key; only one writes it and all restore it"),
-        PatchSpec(_LOAD, "same; reads this rank's entry, or the old (PP, TP) layout, by the "
-                  "checkpoint's metadata, and applies the topology rules (logged per rank)",
-                  "checkpoints of the old layout must still load; EP changes need an explicit rule"),
-        PatchSpec("megatron.training.checkpointing.generate_state_dict",
-                  "same; logs a digest of each RNG stream this rank saves",
-                  "makes the per-rank, per-stream save/restore visible and comparable in logs"),
-    )
 
     def upstream_behaves(self) -> bool:
         from megatron.training import checkpointing
@@ -112,9 +99,10 @@ class RngStateEpFix(Fix):
 
         upstream_get = checkpointing.get_rng_state
 
-        @functools.wraps(upstream_get)
+        @wraps_upstream(upstream_get)
         def get_rng_state(ckpt_format, tp_group, pp_group, dp_cp_group=None, dp_group=None,
                           key_prefix=""):
+            """Upstream's RNG states, as one ShardedObject per rank."""
             out = upstream_get(ckpt_format, tp_group, pp_group, dp_cp_group=dp_cp_group,
                                dp_group=dp_group, key_prefix=key_prefix)
             from megatron.core import parallel_state as ps
@@ -129,12 +117,15 @@ class RngStateEpFix(Fix):
             per_rank.megatron_fixes_old_layout = out  # for loading checkpoints of the old layout
             return per_rank
 
-        patcher.replace(checkpointing, "get_rng_state", get_rng_state)
+        patcher.replace(checkpointing, "get_rng_state", get_rng_state,
+                        "EP ranks sharing (PP, TP) share one RNG key: only one writes it and all "
+                        "restore it; the replacement saves one ShardedObject per rank")
 
         upstream_load = dist_checkpointing.load
 
-        @functools.wraps(upstream_load)
+        @wraps_upstream(upstream_load)
         def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+            """Upstream's load; reads this rank's RNG entry, or the old layout."""
             entry = sharded_state_dict.get("rng_state") if isinstance(sharded_state_dict, dict) else None
             old = getattr(entry, "megatron_fixes_old_layout", None)
             if old is None:
@@ -197,12 +188,15 @@ class RngStateEpFix(Fix):
                            _fmt(stream_digests(restored[0])))
             return result
 
-        patcher.replace(dist_checkpointing, "load", load)
+        patcher.replace(dist_checkpointing, "load", load,
+                        "checkpoints of the old (PP, TP) RNG layout must still load, and EP/ETP "
+                        "changes need an explicit rule for the expert streams")
 
         upstream_gen = checkpointing.generate_state_dict
 
-        @functools.wraps(upstream_gen)
+        @wraps_upstream(upstream_gen)
         def generate_state_dict(*args, **kwargs):
+            """Upstream's; logs a digest of each RNG stream saved."""
             sd = upstream_gen(*args, **kwargs)
             rng = sd.get("rng_state") if isinstance(sd, dict) else None
             if isinstance(rng, ShardedObject) and rng.key.endswith(PER_RANK_KEY) and rng.data:
@@ -210,7 +204,9 @@ class RngStateEpFix(Fix):
                             _fmt(stream_digests(rng.data[0])))
             return sd
 
-        patcher.replace(checkpointing, "generate_state_dict", generate_state_dict)
+        patcher.replace(checkpointing, "generate_state_dict", generate_state_dict,
+                        "logs a digest of each RNG stream this rank saves, so per-rank save and "
+                        "restore can be compared in logs")
 
 
 def _dp_cp_rank() -> int:

@@ -26,12 +26,11 @@ the unconditional ``should_reset = not is_first_iteration`` gone from ``training
 
 from __future__ import annotations
 
-import functools
 import inspect
 
-from megatron.fixes.base import Fix, Patcher, PatchSpec
+from megatron.fixes.base import Fix, Patcher
+from megatron.fixes.registry import wraps_upstream
 
-_TARGET = "megatron.training.training.training_log"
 _DEFECT = "should_reset = not is_first_iteration\n"
 
 
@@ -48,12 +47,6 @@ class TrainingLogFix(Fix):
     upstream_refs = ("megatron-core training.py training_log: should_reset = not is_first_iteration",)
     package = "megatron-core"
     supported = "==0.19.2"
-    patches = (
-        PatchSpec(_TARGET,
-                  "megatron.fixes.training_log (is_first_iteration=False on interval boundaries)",
-                  "the first log line after a start is not reset even when it is an interval line, so "
-                  "the next printed loss and time average two intervals"),
-    )
 
     def upstream_behaves(self) -> bool:
         from megatron.training import training
@@ -67,8 +60,9 @@ class TrainingLogFix(Fix):
         upstream = training.training_log
         position = list(inspect.signature(upstream).parameters).index("is_first_iteration")
 
-        @functools.wraps(upstream)
+        @wraps_upstream(upstream)
         def training_log(*args, **kwargs):
+            """Upstream's, with ``is_first_iteration`` False on interval boundaries."""
             iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
             if len(args) > position:
                 first = args[position]
@@ -82,7 +76,9 @@ class TrainingLogFix(Fix):
                     kwargs["is_first_iteration"] = False
             return upstream(*args, **kwargs)
 
-        patcher.replace(training, "training_log", training_log)
+        patcher.replace(training, "training_log", training_log,
+                        "the first log line after a start is not reset even when it is an interval "
+                        "line, so the next printed loss and time average two intervals")
 
 
 FIX = TrainingLogFix()
