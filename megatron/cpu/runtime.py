@@ -1,48 +1,21 @@
 """CPU backend: run upstream's real ``megatron.training.pretrain`` on CPU with gloo.
 
-Megatron-LM assumes one CUDA device per rank in ~35 places on the training path (timers, DDP
-buffers, optimizer, schedules, RNG, checkpointing metadata, async save). Rather than patching each
-call site, :func:`activate` installs a small runtime layer:
+:func:`activate` installs a small runtime layer instead of patching the ~35 places where
+Megatron-LM assumes a CUDA device: :class:`CudaToCpuMode` (a ``TorchFunctionMode`` mapping every
+``cuda`` device argument to ``cpu``, entered in every thread and around custom backwards),
+stand-ins for the ``torch.cuda`` functions Megatron calls, and a CPU ``torch.Generator`` playing
+the CUDA generator: every random op a GPU run would run on the GPU (:mod:`megatron.cpu.rng_routing`)
+draws from it, so a resumed run is bitwise identical to an uninterrupted one, dropout included.
+A few narrow Megatron-level patches (``initialize_megatron(allow_no_cuda=True)``, no CUDA
+``device_id`` for gloo, the prebuilt dataset helper, ``_lazy_call``, MoE split sizes) are recorded
+in :mod:`megatron.fixes.registry`. Design notes: ``docs/cpu-backend.md``.
 
-torch level
-  * :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that maps every ``cuda`` device argument (``'cuda'``,
-    ``'cuda:N'``, ``torch.device('cuda')``, a bare device index) to ``cpu``, makes ``Tensor.cuda()``,
-    ``pin_memory`` and ``record_stream`` no-ops, and answers ``Tensor.type()`` with the CUDA type name
-    (upstream asserts ``'torch.cuda.FloatTensor'``). The mode is entered on the main thread, in every
-    new thread (``threading.Thread._bootstrap_inner``) and around custom autograd ``backward``s
-    (``BackwardCFunction.apply``), because torch function modes are thread-local and the autograd
-    engine runs backward with them disabled.
-  * Stand-ins for the ``torch.cuda`` functions Megatron calls (device count/current device,
-    streams, events, synchronize, memory statistics, device properties).
-  * A faithful stand-in for the CUDA RNG: a dedicated CPU ``torch.Generator`` plays
-    ``torch.cuda.default_generators[0]`` (``torch.cuda.get_rng_state``/``set_rng_state``/
-    ``manual_seed`` act on it), and every random op that a GPU run would run on the GPU (its tensor
-    stands in for a GPU tensor, or it names a CUDA device) runs on it by swapping it in for the CPU
-    default generator for the duration of the op: factories, in-place methods (``normal_``,
-    ``uniform_``, ...), dropout, ``torch.nn.init``, ``torch.distributions`` samplers. The set of
-    random ops comes from torch's operator registry (:func:`random_callables`); which tensors are
-    host tensors follows :func:`is_host_tensor`. So the CPU generator (initialisation, data) and
-    the "CUDA" generator (dropout, the model-parallel RNG tracker's states) are separate streams
-    exactly as on a GPU, both are saved in checkpoints by upstream's own code, and a resumed run is
-    bitwise identical to an uninterrupted one, dropout included.
-
-Megatron level (narrow named patches, recorded in :mod:`megatron.fixes.registry`)
-  * ``initialize_megatron`` is called with ``allow_no_cuda=True`` (``pretrain()`` never passes it).
-  * ``torch.distributed.init_process_group``: a CUDA ``device_id`` is dropped for gloo.
-  * ``compile_helpers`` (runs ``make``; the wheel ships the prebuilt helper and no Makefile) is
-    skipped when the prebuilt helper imports.
-  * ``tensor_parallel.random._lazy_call`` runs its callback at once (torch queues it forever when
-    CUDA is not initialised).
-
-Limits: no Transformer Engine, no fused kernels, no apex (pass the ``--no-*-fusion`` flags; the
-entrypoint's ``--cpu`` adds them). Each interception is logged once, at INFO level, by the
-``megatron.cpu`` logger.
+Raises at :func:`activate` when a CUDA device is usable (the backend would shadow it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -251,84 +224,11 @@ _T = torch.Tensor
 _NOOP_METHODS = frozenset((_T.pin_memory, _T.record_stream))
 
 
-# ----------------------------------------------------------------------------------------------
-# Which random ops draw from which generator
-# ----------------------------------------------------------------------------------------------
-#: Namespaces whose attribute of an aten op's name is that op's Python binding.
-_BINDING_NAMESPACES = (torch, torch.Tensor, torch.nn.functional, torch._C._nn, torch.special, torch.nn.init)
-#: Modules whose pure-Python functions may call seeded ops inside (then the torch function mode sees
-#: only the outer call: ``nn.init.normal_`` runs ``Tensor.normal_`` with the mode off).
-_WRAPPER_MODULES = (torch.nn.functional, torch.nn.init)
-
-
-def seeded_aten_ops() -> frozenset[str]:
-    """Names of the aten operators that draw random numbers (tag ``nondeterministic_seeded``), from
-    torch's operator registry, e.g. ``normal_``, ``dropout``, ``multinomial``, ``_standard_gamma``,
-    ``scaled_dot_product_attention``; enumerated programmatically, so an op added by a later torch
-    is covered without a change here."""
-    names = set()
-    for schema in torch._C._jit_get_all_schemas():
-        if not schema.name.startswith("aten::"):
-            continue
-        name = schema.name[len("aten::"):]
-        if name in names:
-            continue
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None:
-            continue
-        for overload in packet.overloads():
-            if torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags:
-                names.add(name)
-                break
-    return frozenset(names)
-
-
-def _calls_seeded(code: types.CodeType, module: Any, seeded: frozenset[str], seen: set) -> bool:
-    if code in seen:
-        return False
-    seen.add(code)
-    if seeded.intersection(code.co_names):
-        return True
-    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    for name in code.co_names:  # module-level helpers, e.g. nn.init.normal_ -> _no_grad_normal_
-        helper = vars(module).get(name)
-        if isinstance(helper, types.FunctionType) and helper.__module__ == module.__name__:
-            nested.append(helper.__code__)
-    return any(_calls_seeded(c, module, seeded, seen) for c in nested)
-
-
-@functools.lru_cache(maxsize=1)
-def random_callables() -> frozenset:
-    """Every Python callable of torch that draws random numbers without an explicit generator
-    argument being required: the bindings of :func:`seeded_aten_ops` in ``torch``, ``Tensor``,
-    ``torch.nn.functional``, ``torch._C._nn``, ``torch.special``, ``torch.nn.init``, plus the
-    pure-Python functions of ``torch.nn.functional`` and ``torch.nn.init`` whose code (or a helper
-    of the same module) calls one of them by name (``F.dropout``, ``F.gumbel_softmax``,
-    ``nn.init.kaiming_uniform_``, ...). ``torch.distributions`` needs no entry: its samplers call
-    ``torch.rand``/``_standard_gamma``/... at the top level, where the mode sees them."""
-    seeded = seeded_aten_ops()
-    out = set()
-    for ns in _BINDING_NAMESPACES:
-        for name in seeded:
-            f = getattr(ns, name, None)
-            if callable(f):
-                out.add(f)
-
-    def draws(f: types.FunctionType, module: Any) -> bool:
-        if _calls_seeded(f.__code__, module, seeded, set()):
-            return True
-        # boolean_dispatch wrappers (F.fractional_max_pool2d) hold their targets in a closure
-        cells = [c.cell_contents for c in (f.__closure__ or ()) if c.cell_contents is not f]
-        return any(g in out or isinstance(g, types.FunctionType) and draws(g, module)
-                   for g in cells if callable(g))
-
-    for module in _WRAPPER_MODULES:
-        for f in list(vars(module).values()):
-            if isinstance(f, types.FunctionType) and f.__module__ == module.__name__ \
-                    and draws(f, module):
-                out.add(f)
-    return frozenset(out)
-
+from megatron.cpu.rng_routing import (  # noqa: E402,F401  (re-exported: tests, callers)
+    _BINDING_NAMESPACES,
+    random_callables,
+    seeded_aten_ops,
+)
 
 _RANDOM: list[frozenset] = [frozenset()]  # random_callables(), set by activate()
 
