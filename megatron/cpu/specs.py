@@ -6,22 +6,10 @@ nothing. Multi-Latent Attention (``--multi-latent-attention``) does: upstream's 
 its core attention as ``DotProductAttention``, which rejects MLA's ``k_channels`` / ``v_channels``
 (``TypeError``), and the local spec cannot express the fused down projection
 (``--mla-down-proj-fusion``; upstream builds it only from Transformer Engine modules and silently
-falls back to the unfused attention otherwise). So for MLA:
+falls back to the unfused attention otherwise). So for MLA the core attention is swapped for
+:mod:`megatron.cpu.mla_attention`'s, with the fused down projection when asked for.
 
-* ``model_cfg.transformer_layer_spec`` becomes :func:`cpu_transformer_layer_spec`, a callable that
-  upstream's ``GPTModelBuilder.build_model`` resolves per virtual pipeline stage: upstream's own
-  choice of spec (``default_layer_spec``, or the spec given with ``--spec``) passed through
-  :func:`megatron.cpu.mla_attention.cpu_mla_layer_spec` (``CpuMLACoreAttention``; with
-  ``mla_down_proj_fusion``, ``FusedMLASelfAttention`` with one ``linear_qkv_down_proj``).
-* MTP (``--mtp-num-layers``): upstream's ``megatron.training.models.gpt.mtp_block_spec`` ignores
-  ``transformer_layer_spec`` and rebuilds the MTP inner layer from the local decoder specs, so it
-  is wrapped (one named patch, recorded in the registry) to pass its result through the same swap, only
-  for configs adapted here.
-
-Everything else (the model class, parameter names, initialisation order) stays upstream's, so a
-CPU-built model has the same ``state_dict`` keys as one built from upstream's Transformer Engine
-spec with ``mla_down_proj_fusion`` (``linear_qkv_down_proj.weight``; the input layernorm stays a
-separate module ``input_layernorm``, as in upstream's fused spec without layernorm fusion).
+Design notes: ``docs/cpu-backend.md``.
 """
 
 from __future__ import annotations

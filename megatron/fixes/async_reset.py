@@ -2,28 +2,11 @@
 
 megatron-core 0.19.2's ``megatron.training.async_utils.reset_persistent_async_worker`` (called by
 upstream's in-process restart, ``inprocess_restart.AbortCheckpoint``, to abort async checkpointing)
-has two defects:
+leaves the aborted save's write results in the real module-global results queue (the next save's
+finalisation takes them, so its metadata describes other files), and rebuilds the queue without
+``--async-ckpt-use-cpu-shm`` (on CPU the worker then initialises CUDA and dies).
 
-1. It means to drop the queue on which the checkpoint worker posts its write results, but it
-   resets ``megatron.training.async_utils._results_queue``: a name bound, at import time, to the
-   value of ``filesystem_async._results_queue`` (``None`` then, the queue is created lazily). The
-   real queue, a module global of NVRx's (or megatron-core's) ``filesystem_async``, keeps whatever
-   the aborted save's worker had posted. The next save's finalisation takes that stale entry
-   (``FileSystemWriterAsync.retrieve_write_results``: ``get_nowait``) and writes metadata that
-   describes the aborted save's files: the save "succeeds" and cannot be loaded, and every later
-   save is off by one.
-2. The calls queue it leaves behind is rebuilt lazily by ``_get_async_calls_queue`` as
-   ``AsyncCallsQueue(persistent=...)``, without ``--async-ckpt-use-cpu-shm`` (which
-   ``init_persistent_async_worker`` passes): on CPU the new worker then initialises CUDA, dies
-   (``ZeroDivisionError`` in ``rank % torch.cuda.device_count()``) and the trainer waits for it
-   forever; on GPUs the flag is silently dropped after the first abort.
-
-The replacements: ``reset_persistent_async_worker`` runs upstream's, then shuts down and drops the
-real results queue of every ``filesystem_async`` module (the next save creates a fresh one, as
-after start); ``_get_async_calls_queue`` builds the queue with ``cpu_shm_mode`` from the args when
-the nvrx strategy supports it. Detection of a fixed upstream is by behaviour: a probe queue placed in
-``filesystem_async`` must be gone after upstream's reset, and the rebuilt queue must keep
-``cpu_shm_mode``.
+Design notes: ``docs/fixes/async_reset.md``.
 """
 
 from __future__ import annotations

@@ -4,23 +4,10 @@ and the advice upstream gives when a checkpoint cannot change TP/PP.
 ``--dist-ckpt-optim-fully-reshardable`` writes the distributed optimizer's state in model space
 (one ``param``/``exp_avg``/``exp_avg_sq`` tensor per model parameter, global shapes): the format
 that loads at another TP, PP or DP. megatron-core 0.19.2 cannot load it back with torch's Adam (no
-apex, no TE: every CPU run, and GPU containers without them), dense models included:
+apex, no TE: every CPU run, and GPU containers without them), dense models included
+(``KeyError: 'step'``); and its refusal to change TP/PP names a flag that has no effect.
 
-1. ``load_parameter_state_from_fully_reshardable`` hands ``_set_main_param_and_optimizer_states``
-   the saved tensors, which hold no ``step`` (the format keeps Adam's step in the param groups,
-   like ``fully_sharded_model_space``), but ``_set_main_param_and_optimizer_states`` copies every
-   tensor of the optimizer's per-parameter state, and torch's Adam keeps a 0-dim ``step`` there:
-   every rank raises ``KeyError: 'step'``. The replacement leaves ``step`` alone when the source has
-   none; ``load_state_dict`` sets it from the param groups (fix ``distopt_resume``).
-2. A checkpoint of the default ``dp_reshardable`` format loaded at another TP/PP is refused by
-   ``load_checkpoint`` (rightly: that layout follows the saving run's buffers) with the advice
-   "Please use `--ckpt-fully-parallel-save`", a flag upstream's own argument check calls
-   deprecated and without effect. The refusal is re-raised naming what works:
-   ``--dist-ckpt-optim-fully-reshardable`` (re-save once at the old TP/PP) or ``--no-load-optim``.
-
-Detection of a fixed upstream is by capability: upstream's ``_set_main_param_and_optimizer_states``
-is run on a stand-in optimizer with a torch-Adam state, given a source without ``step``; and the
-refusal text is looked up in upstream's ``load_checkpoint``.
+Design notes: ``docs/fixes/distopt_reshard.md``.
 """
 
 from __future__ import annotations

@@ -2,28 +2,10 @@
 
 Two defects of megatron-core 0.19.2's ``DistributedOptimizer`` stop ``--use-distributed-optimizer``
 runs from resuming when the inner optimizer is torch's Adam (no apex, no TE: every CPU run, and GPU
-containers without them) or when parameters are fp32 (no ``--bf16``/``--fp16``):
+containers without them) or when parameters are fp32 (no ``--bf16``/``--fp16``); and a third
+restarts Adam's bias correction after resume (one shared ``step`` tensor, overwritten by 0).
 
-1. ``state_dict()`` extracts Adam's ``step`` from the per-parameter state and asserts exactly one
-   value (``DistributedOptimizer.state_dict``, non-apex branch). On resume, the load template is built from a *fresh*
-   optimizer whose per-parameter state is still empty, so the assertion fails before anything is
-   read. The replacement reports step 0 for a fresh optimizer; ``load_state_dict`` then takes the
-   checkpoint's step, exactly as upstream does.
-2. ``load_parameter_state_from_dp_reshardable`` copies the loaded main parameters with ``copy_``
-   outside ``torch.no_grad()``; with fp32 parameters the main parameters are views of the model's
-   leaf parameters, and autograd refuses ("a view of a leaf Variable that requires grad is being used
-   in an in-place operation"). The replacement runs ``_set_main_param_and_optimizer_states`` under
-   ``no_grad``, as the neighbouring upstream loaders already do.
-3. ``load_state_dict`` (non-apex branch) gives every parameter's Adam state *the same* ``step``
-   tensor (torch's Adam increments ``step`` in place, once per parameter), and the parameter-state
-   load that follows then overwrites it with the load template's placeholder (0): the bias
-   correction after resume is wrong and the run diverges from an uninterrupted one at the second
-   iteration after the load. The replacement sets each parameter's ``step`` to the checkpoint's
-   param-group step, one tensor per parameter.
-
-Detection of a fixed upstream is by source capability: the step assertion gone from ``state_dict``
-and the copy already under ``no_grad``. The fully-reshardable format
-(``--dist-ckpt-optim-fully-reshardable``) and topology changes: fix ``distopt_reshard``.
+Design notes: ``docs/fixes/distopt_resume.md``.
 """
 
 from __future__ import annotations

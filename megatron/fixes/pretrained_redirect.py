@@ -8,12 +8,7 @@ local tier) therefore starts again from the pretrained weights at iteration 0 (g
 the local weights with iteration 0 and then fails (local). Megatron-Bridge PR 4900 fixed the same
 class of defect in its own loader.
 
-The replacement asks upstream's own ``_get_non_persistent_iteration`` (the function
-``_load_base_checkpoint`` uses) whether this run has a non-persistent checkpoint; if it has one
-(and no persistent one), ``--pretrained-checkpoint`` is hidden for that call, so upstream resumes
-from the run's newest checkpoint in any tier. The pretrained checkpoint is used only when the run
-has none. Detection of a fixed upstream is by source capability: the pretrained branch of
-``load_checkpoint`` consulting non-persistent checkpoints.
+Design notes: ``docs/fixes/pretrained_redirect.md``.
 """
 
 from __future__ import annotations

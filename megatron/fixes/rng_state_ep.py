@@ -9,19 +9,7 @@ every rank restores that rank's states: each rank with ``ep_rank > 0`` resumes o
 expert stream (MoE router noise, expert dropout). Megatron-LM PR 6858 (on main after 0.19.2)
 fixes this by giving the key the expert axes.
 
-This fix stores one object per rank instead (key ``rng_state_per_rank``, global shape
-``(world_size,)``, offset ``(rank,)``, no replicas): a few KB per rank, and each rank reads back
-exactly what it wrote, for any TP/PP/EP/ETP/CP. Each saved state records its topology
-(``rng_topology``). Rules at load (one log line per rank says which applied):
-
-* same world size and expert coordinates: every stream restored bitwise from this rank's entry;
-* other EP/ETP size or expert rank (same world size): dense streams (Python, NumPy, CPU, CUDA,
-  non-expert tracker streams) restored from this rank's entry, expert streams kept as this run
-  seeded them for its new coordinates (never another rank's stream);
-* other world size: no RNG state restored; every stream stays as this run seeded it;
-* a checkpoint in the old (PP, TP) layout (written without this fix): loaded as upstream does;
-  the rank that wrote it (data-parallel rank 0) keeps its expert streams, every other rank keeps
-  its expert streams as this run seeded them.
+Design notes: ``docs/fixes/rng_state_ep.md``.
 """
 
 from __future__ import annotations

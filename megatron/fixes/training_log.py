@@ -6,22 +6,10 @@ megatron-core 0.19.2's ``megatron.training.training.training_log`` prints a line
 ``should_reset = not is_first_iteration``: the loss accumulators, the skipped/NaN counters and the
 interval timer are *not* reset after it, so that the next interval line still covers the whole
 interval. That is right when the first iteration is not itself an interval boundary, but wrong when
-it is (``--log-interval 1``, or a resume at an iteration just before a multiple of the interval):
-then the first line is a regular interval line that is not reset, and the next line averages the
-two intervals. With ``--log-interval 1`` the line of the second iteration after every start prints
-the mean of the first two iterations' losses (and the mean of their times), so it disagrees with
-``--loss-log`` and makes a correct resume look wrong.
+it is (``--log-interval 1``, or a resume just before a multiple of the interval): the next line
+then averages two intervals, disagrees with ``--loss-log`` and makes a correct resume look wrong.
 
-The replacement wraps ``training_log``: when ``is_first_iteration`` is set on an iteration that is
-a multiple of ``--log-interval``, it passes ``is_first_iteration=False``. That line is printed
-either way (upstream prints every interval line), and everything upstream resets after an interval
-line is reset after it; a first line between interval boundaries keeps upstream's behaviour. The
-only other use of the flag (skipping the iteration time in TensorBoard/W&B for the first line)
-then also follows the regular schedule, which is what an interval line does.
-
-``train()`` calls ``training_log`` through the module global, so replacing the attribute of
-``megatron.training.training`` is enough. Detection of a fixed upstream is by source capability:
-the unconditional ``should_reset = not is_first_iteration`` gone from ``training_log``.
+Design notes: ``docs/fixes/training_log.md``.
 """
 
 from __future__ import annotations

@@ -7,64 +7,7 @@ checksums that :mod:`megatron.fixes.replication` computes on the rank that owns 
 with the shard's metadata to every replica, verifies before any file is written, stores in every
 local checkpoint file (primary and replica) and verifies again when a file is loaded.
 
-Checksum of one tensor
-----------------------
-``tensor_checksum(t)`` is xxHash **XXH3_64** (seed 0, the ``xxhash`` package's
-``xxh3_64_intdigest``) of the tensor's *logical* bytes: its elements in row-major (C) order, each
-in the in-memory representation of ``t.dtype`` (little-endian on every platform PyTorch supports),
-without padding, strides or storage offset. Equivalently::
-
-    xxhash.xxh3_64_intdigest(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-
-A tensor with no elements hashes the empty byte string. The result is an ``int`` in
-``[0, 2**64)``. Two tensors have equal checksums when (with overwhelming probability) they have
-the same dtype byte-width and bytes; dtype and shape are recorded next to the checksum.
-
-Storage format (version 1)
---------------------------
-A local checkpoint file is ``torch.save`` of a ``TensorAwareStateDict`` (in Megatron a
-``megatron.core.dist_checkpointing.tensor_aware_state_dict.MCoreTensorAwareStateDict``). The
-checksums are an instance attribute of that object, named :data:`CHECKSUM_ATTR`
-(``"_megatron_integrity"``), holding only builtin Python types (so no class of this package is
-needed to unpickle it)::
-
-    {
-        "format": "megatron.integrity.tensor_checksums",   # FORMAT_NAME
-        "version": 1,                                       # FORMAT_VERSION
-        "algorithm": "xxh3_64",                             # ALGORITHM
-        "owner_rank": 3,          # global rank whose shard the file holds (its primary rank)
-        "entries": [              # one per tensor, in the order of ``state_dict.tensors``
-            {
-                "index": 0,                    # position in ``state_dict.tensors``
-                "key": "decoder.layers.0.mlp.linear_fc1.weight",  # ShardedTensor.key, or
-                                                   # "tensor[i]" for other state dicts
-                "global_offset": [0, 0],       # ShardedTensor.global_offset, or None
-                "dtype": "bfloat16",           # str(torch dtype) without the "torch." prefix
-                "shape": [1024, 512],
-                "nbytes": 1048576,             # numel * element size
-                "checksum": 1234567890123,     # tensor_checksum() of the stored tensor
-            },
-            ...
-        ],
-    }
-
-To verify a file independently (what ``tools/verify_checkpoint.py`` does)::
-
-    sd = torch.load(path, weights_only=False)
-    record = get_record(sd)               # None: written without checksums
-    errors = verify_record(record, list(sd.tensors))   # [] when every tensor matches
-
-Tensors whose type defines its own ``dequantize`` (Transformer Engine quantized parameters) are
-stored dequantized to their nominal dtype by the replication fix, so the checksum is over the
-dequantized values that the file actually holds.
-
-Version 2: device-side checksums
---------------------------------
-A version-2 record is a version-1 record whose ``"algorithm"`` is one of :data:`ALGORITHMS`:
-``"xxh3_64"`` (above; CPU) or ``"pmix64"`` (:mod:`megatron.integrity.device_hash`: computed on the
-GPU that holds the tensor during replication over NCCL, with a bit-identical CPU implementation).
-Records with ``xxh3_64`` are still written as version 1, so files written before version 2 and
-after it read the same; :func:`get_record` accepts both and gives every entry its ``"algorithm"``.
+Design notes: ``docs/checksums.md``.
 """
 
 from __future__ import annotations
