@@ -81,8 +81,16 @@ class DistOptResumeFix(Fix):
         patcher.replace(D, "load_state_dict", load_state_dict,
                         "one shared step tensor, later overwritten by the template's 0, restarts "
                         "Adam's bias correction after resume")
+        upstream_set = D._set_main_param_and_optimizer_states
+
+        @wraps_upstream(upstream_set)
+        def _set_main_param_and_optimizer_states(self, *args, **kwargs):
+            """Upstream's, under ``torch.no_grad()``."""
+            with torch.no_grad():
+                return upstream_set(self, *args, **kwargs)
+
         patcher.replace(D, "_set_main_param_and_optimizer_states",
-                        torch.no_grad()(D._set_main_param_and_optimizer_states),
+                        _set_main_param_and_optimizer_states,
                         "fp32 resume copy_()s into views of leaf parameters with autograd on")
 
 
