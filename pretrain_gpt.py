@@ -184,7 +184,7 @@ def main() -> None:
 
         specs.adapt_model_config(model_cfg)
     if args.restore_modelopt_state:  # quantized checkpoints (tools/quantize.py)
-        from megatron.fixes.modelopt_moe import restore_modelopt_state_pre_wrap_hook
+        from megatron.training_ext.modelopt import restore_modelopt_state_pre_wrap_hook
 
         model_cfg.pre_wrap_hooks.append(restore_modelopt_state_pre_wrap_hook)
     cfg = pretrain_cfg_container_from_args(args, model_cfg)

@@ -218,7 +218,7 @@ def quantize(args: argparse.Namespace, recipe: Recipe) -> dict:
     after ``initialize_megatron``).
 
     Returns:
-        this rank's quantizer counts (:func:`megatron.fixes.modelopt_moe.quantizer_summary`).
+        this rank's quantizer counts (:func:`megatron.training_ext.modelopt.quantizer_summary`).
 
     Raises:
         RuntimeError: on every rank (the ranks agree through one ``all_gather_object`` before
@@ -232,11 +232,11 @@ def quantize(args: argparse.Namespace, recipe: Recipe) -> dict:
     from megatron.core.utils import unwrap_model
     from megatron.training import checkpointing, print_rank_0
 
-    from megatron.fixes import modelopt_moe
+    from megatron.training_ext import modelopt as modelopt_ext
 
     model = build_model(args)
     iteration, flops = checkpointing.load_checkpoint(model, None, None)
-    if modelopt_moe.is_modelopt_converted(model):
+    if modelopt_ext.is_modelopt_converted(model):
         raise RuntimeError(f"quantize.py: the model loaded from {args.load} already carries "
                            "ModelOpt state")
     print_rank_0(f"quantize.py: loaded iteration {iteration} from {args.load}; applying "
@@ -247,7 +247,7 @@ def quantize(args: argparse.Namespace, recipe: Recipe) -> dict:
     quantized = mtq.quantize(chunk, getattr(mtq, recipe.config), forward_loop)
     if quantized is not chunk:
         raise RuntimeError("quantize.py: ModelOpt replaced the root module; not supported")
-    counts = modelopt_moe.quantizer_summary(model)
+    counts = modelopt_ext.quantizer_summary(model)
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, counts)
     problems = [f"rank {r}: {c['static'] - c['calibrated']} quantizer(s) without amax, e.g. "
@@ -262,7 +262,7 @@ def quantize(args: argparse.Namespace, recipe: Recipe) -> dict:
     args.no_save_optim = True
     checkpointing.save_checkpoint(iteration, model, None, None, flops)
     saved = checkpointing.get_checkpoint_name(args.save, iteration, return_base_dir=True)
-    if not checkpointing.has_nvidia_modelopt:  # the modelopt_moe fix is disabled
+    if not checkpointing.has_nvidia_modelopt:  # fix modelopt_state (in modelopt_moe) disabled
         from modelopt.torch.opt.plugins import save_sharded_modelopt_state
 
         save_sharded_modelopt_state(model, saved, (args.ckpt_format, 1))

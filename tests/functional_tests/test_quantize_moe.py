@@ -95,7 +95,7 @@ def read_amax(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def quant_summaries(output: str, when: str) -> list[dict]:
-    """The quantizer counts rank 0 logged (``megatron.fixes.modelopt_moe.print_quant_summary``)."""
+    """The quantizer counts rank 0 logged (``megatron.training_ext.modelopt.print_quant_summary``)."""
     pat = re.compile(r"ModelOpt \(" + re.escape(when) + r"[^)]*\): rank 0 holds (\{.*\})")
     return [ast.literal_eval(m.group(1)) for m in pat.finditer(output)]
 

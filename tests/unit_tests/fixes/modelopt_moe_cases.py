@@ -362,7 +362,7 @@ def _legacy_state(model, value_of) -> dict:
     rank 0 only (replica id = global rank)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron.fixes.modelopt_moe import _PER_EXPERT_KEY
+    from megatron.fixes.modelopt_moe.legacy_layout import _PER_EXPERT_KEY
 
     out = {}
     for k, st in sharded_sd(model).items():

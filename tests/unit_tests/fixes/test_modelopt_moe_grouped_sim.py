@@ -193,7 +193,11 @@ def upstream_grouped_entries(kind, recipe, c, layer, fc):
 def rank_entries(t, recipe, r, c, fixed: bool):
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
-    from megatron.fixes.modelopt_moe import ExpertCoords, _split_axes, regroup_expert_linear_entries
+    from megatron.fixes.modelopt_moe.expert_sharding import (
+        ExpertCoords,
+        _split_axes,
+        regroup_expert_linear_entries,
+    )
 
     world, tp, ep, etp, pp = t
     pp_rank = c["pp"][0]

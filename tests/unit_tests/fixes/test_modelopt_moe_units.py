@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import megatron.fixes.modelopt_moe as mm
+from megatron.fixes import modelopt_state
+from megatron.fixes.modelopt_moe import expert_sharding
 
 
 @pytest.fixture
@@ -38,7 +40,8 @@ def test_modelopt_moe_probe_accepts_a_fixed_upstream(fix):
     """The probe recognises correct behaviour: run against the fixed method it reports ETP rank 1,
     so a fixed upstream would make the fix stand aside."""
     original = _plugin()._MegatronParallelLinear.sharded_state_dict
-    rid = mm.probe_upstream_expert_replica_ids(mm._wrap_linear_sharded_state_dict(original))
+    fixed = expert_sharding._wrap_linear_sharded_state_dict(original)
+    rid = mm.probe_upstream_expert_replica_ids(fixed)
     assert rid == (0, 1, 0)
 
 
@@ -159,7 +162,7 @@ def test_save_checkpoint_wrapper_reads_args_as_upstream_does(monkeypatch):
                  train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False):
         seen.append((iteration, non_persistent_ckpt, checkpointing.has_nvidia_modelopt))
 
-    wrapped = mm._wrap_save_checkpoint(upstream)
+    wrapped = modelopt_state._wrap_save_checkpoint(upstream)
     had = getattr(checkpointing, "has_nvidia_modelopt", False)
     for kind in ("global", "local"):
         monkeypatch.setattr(checkpointing, "get_args", lambda kind=kind: types.SimpleNamespace(
@@ -168,3 +171,34 @@ def test_save_checkpoint_wrapper_reads_args_as_upstream_does(monkeypatch):
     wrapped(4, None, None, None, 0)  # persistent: args not even read
     assert seen == [(3, True, had), (3, True, False), (4, False, had)]
     assert checkpointing.has_nvidia_modelopt == had
+
+
+# ---- the probes of the other parts of the modelopt_moe group -----------------------------------
+
+
+def test_modelopt_moe_every_part_probes_its_defect_on_the_pins(fix):
+    """Each part of the group has its own probe, and each sees its defect on the pinned upstream."""
+    assert [p.name for p in fix.parts] == [
+        "modelopt_moe.expert_sharding", "modelopt_moe.legacy_layout",
+        "modelopt_moe.extra_state_cuda_sync", "modelopt_state"]
+    assert [p.upstream_behaves() for p in fix.parts] == [False] * 4
+    assert not torch.distributed.is_initialized(), "a probe leaked its private process group"
+
+
+def test_modelopt_moe_legacy_layout_probe_accepts_a_fixed_upstream():
+    import megatron.core.dist_checkpointing.serialization as ser
+    from megatron.fixes.modelopt_moe import legacy_layout
+
+    assert legacy_layout.probe_upstream_maps_legacy_layout(ser.load) is False
+    assert legacy_layout.probe_upstream_maps_legacy_layout(legacy_layout._wrap_load(ser.load))
+    assert not torch.distributed.is_initialized()
+
+
+def test_modelopt_moe_extra_state_probe_accepts_a_fixed_upstream():
+    from modelopt.torch.opt.plugins import megatron as opt_plugin
+
+    from megatron.fixes.modelopt_moe import extra_state_cuda_sync as part
+
+    upstream = opt_plugin._modelopt_get_extra_state
+    assert part.probe_upstream_syncs_without_cuda(upstream) is True
+    assert part.probe_upstream_syncs_without_cuda(part._wrap_get_extra_state(upstream)) is False
