@@ -101,12 +101,16 @@ def scenario_legacy_to_fused(env: Env, root: str) -> None:
 def scenario_negative_control(env: Env, unfused_root: str) -> None:
     """MLA handling off: a no-strict load of the unfused checkpoint raises by default and, with
     ignore_all, silently keeps the fused weights at their initial values (the 0.19.2 defect)."""
+    from unittest import mock
+
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    from megatron.fixes.fsdp_dtensor import FIX
+    from megatron.fixes.fsdp_dtensor import FIX, layout
 
-    FIX.handle_mla = False
-    try:
+    def mla_not_handled(model, model_state_dict, optimizer_state_dict):
+        return model_state_dict, optimizer_state_dict
+
+    with mock.patch.object(layout, "handle_mla_down_proj_in_state_dict", mla_not_handled):
         model = _loaded(env, True, "straddle")
         try:
             load(model, unfused_root, make_args(strict_fsdp_dtensor_load=False))
@@ -130,8 +134,6 @@ def scenario_negative_control(env: Env, unfused_root: str) -> None:
         load(model, unfused_root,
              make_args(strict_fsdp_dtensor_load=False, dist_ckpt_strictness="return_all"))
         assert any(FUSED_KEY in k for k in FIX.last_unexpected_keys), FIX.last_unexpected_keys
-    finally:
-        FIX.handle_mla = True
 
 
 def scenario_shape_mismatch(env: Env, unfused_root: str) -> None:

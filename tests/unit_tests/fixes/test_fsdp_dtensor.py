@@ -174,7 +174,7 @@ def _prep():
         "decoder.layers.0.mlp.linear_fc2.weight",
         f"{MTP_ATTN}.linear_qkv_down_proj.weight", "mtp.layers.0.mtp_model_layer.mlp.linear_fc2.weight",
         "mtp.layers.0.enorm.weight")}
-    return fx._Preparation(args=None, layout=layout, originals={("model",): model}, sections={})
+    return fx.Preparation(args=None, layout=layout, originals={("model",): model}, sections={})
 
 
 def _md(choice):
@@ -277,18 +277,19 @@ def test_install_only_what_upstream_still_lacks(monkeypatch):
     fix = fx.FsdpDTensorFix()
     before = (checkpointing.preprocess_fsdp_dtensor_state_dict,
               DistributedOptimizer.sharded_param_state_fsdp_dtensor)
+    layout_parts = (fx.MlaMtpLayoutFix, fx.LegacyPlannerFix, fx.StrictnessFix)
     for layout_ok, empty_ok in ((True, False), (False, True)):
-        monkeypatch.setattr(fx.FsdpDTensorFix, "layout_upstream_fixed",
-                            staticmethod(lambda: layout_ok))
-        monkeypatch.setattr(fx.FsdpDTensorFix, "empty_shards_upstream_fixed",
-                            staticmethod(lambda: empty_ok))
+        for part in layout_parts:  # each part probes upstream on its own
+            monkeypatch.setattr(part, "upstream_behaves", lambda self, ok=layout_ok: ok)
+        monkeypatch.setattr(fx.EmptyShardsFix, "upstream_behaves", lambda self, ok=empty_ok: ok)
         try:
             assert fix.apply().value == "active"
             assert (checkpointing.preprocess_fsdp_dtensor_state_dict is before[0]) == layout_ok
             assert (DistributedOptimizer.sharded_param_state_fsdp_dtensor is before[1]) == empty_ok
         finally:
             fix.reset()
-    monkeypatch.setattr(fx.FsdpDTensorFix, "layout_upstream_fixed", staticmethod(lambda: True))
+    for part in layout_parts:
+        monkeypatch.setattr(part, "upstream_behaves", lambda self: True)
     assert fix.apply().value == "stands aside: upstream already behaves"
     fix.reset()
 

@@ -1,0 +1,204 @@
+"""Optimizer state of parameters whose local Megatron-FSDP shard is empty.
+
+megatron-core 0.19.2 ``ParamAndGradBuffer.update_main_grads`` sets ``grad = None`` for a
+parameter whose local shard is empty, so torch Adam never creates its state on that rank, and
+``DistributedOptimizer._init_optimizer_states_with_dummy_values`` (the load-time dummy step) skips
+it too. ``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` then packs different optimizer
+keys per rank and ``preprocess_state_dict_for_uneven_dtensor`` (one ``all_gather_object`` per
+DTensor) runs a different number of collectives per rank: the ``fsdp_dtensor`` save (and load)
+hangs with an empty ``iter_*`` directory. Not MLA/MTP specific. :class:`EmptyShardsFix` wraps the
+packer to run :func:`fill_empty_shard_states` first.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from megatron.fixes.base import Fix
+from megatron.fixes.fsdp_dtensor.probes import upstream_of
+from megatron.fixes.registry import Patcher, wraps_upstream
+
+#: torch optimizers that keep ``step`` per parameter (in ``state[param]['step']``).
+_PER_PARAM_STEP = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _scalar_dtype() -> torch.dtype:
+    """dtype torch Adam gives a new ``step`` (float64 only under a float64 default dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return getattr(param, "_local_tensor", param)
+
+
+def _shard_groups(param: torch.Tensor) -> list:
+    """Process groups of the mesh dimensions a DTensor parameter is sharded over (mesh order)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    if not isinstance(param, DTensor):
+        return []
+    return [param.device_mesh.get_group(i) for i, p in enumerate(param.placements)
+            if isinstance(p, (Shard, _StridedShard))]
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the ranks sharing a parameter's FSDP shard groups hold in optimizer state.
+
+    Attributes:
+        any_state: some rank of the groups has per-parameter state for a non-empty shard.
+        step: the per-parameter ``step`` all those states share (None: no rank keeps ``step``).
+    """
+
+    any_state: bool
+    step: float | None
+
+
+def agree_on_step(optimizer: torch.optim.Optimizer, groups: Iterable) -> StepAgreement:
+    """Min/max of ``state[p]['step']`` over the non-empty local shards of every rank in
+    ``groups`` (one ``all_reduce`` of 3 float64 values per group; call it on every rank of the
+    groups, as upstream calls ``sharded_param_state_fsdp_dtensor``).
+
+    Raises:
+        ValueError: on every rank of the groups, if the ranks' parameters are at different steps
+            (all ranks see the same reduced values, so all raise together, none hangs).
+    """
+    import torch.distributed as dist
+
+    steps, present = [], 0
+    device = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            device = device or _local_tensor(p).device
+            if _local_tensor(p).numel() == 0:
+                continue
+            state = optimizer.state.get(p)
+            if state:
+                present = 1
+                if "step" in state:
+                    steps.append(float(state["step"]))
+    ninf = float("-inf")
+    vec = torch.tensor([max(steps, default=ninf), -min(steps, default=float("inf")), present],
+                       dtype=torch.float64, device=device or "cpu")
+    for g in groups:
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=g)
+    hi, lo, any_state = float(vec[0]), -float(vec[1]), bool(vec[2])
+    if hi == ninf:
+        return StepAgreement(any_state, None)
+    if hi != lo:
+        raise ValueError(
+            f"fsdp_dtensor checkpoint: optimizer parameters are at different steps ({lo:g} .. "
+            f"{hi:g}) across the ranks sharing them; cannot give parameters with an empty local "
+            "shard a consistent 'step'")
+    return StepAgreement(any_state, hi)
+
+
+def fill_empty_shard_states(dist_optimizer) -> list[str]:
+    """Give parameters whose local Megatron-FSDP shard is empty the optimizer state their
+    non-empty peers have, so every rank exposes the same ``fsdp_dtensor`` optimizer keys.
+
+    For every parameter ``p`` of the inner optimizer with an empty local shard: each tensor key of
+    ``dist_optimizer.optimizer_state_keys`` (``exp_avg``, ``exp_avg_sq``; plus ``max_exp_avg_sq``
+    for amsgrad groups) missing from its state becomes ``zeros_like(p)`` (a DTensor of ``p``'s
+    global shape and dtype, empty local tensor: nothing is written or read for it), and for torch
+    Adam/AdamW ``step`` becomes a new scalar tensor (float32, as torch Adam's; one per parameter)
+    equal to the common step of the non-empty parameters (:func:`agree_on_step` over the shard
+    groups), refreshed on every call: empty parameters never step, so a stored ``step`` would go
+    stale. Nothing is filled while no rank has any state (fresh optimizer). A collective: call it
+    on every rank sharing the parameters.
+
+    Args:
+        dist_optimizer: a Megatron ``DistributedOptimizer`` under Megatron-FSDP (its
+            ``optimizer`` holds the DTensor parameters).
+
+    Returns:
+        Names (``_param_name``) of the parameters whose state was filled or refreshed here.
+
+    Raises:
+        ValueError: on every rank sharing the parameters, if they are at different steps.
+    """
+    inner = dist_optimizer.optimizer
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if not params:
+        return []
+    agreement = agree_on_step(inner, _shard_groups(params[0]))
+    if not agreement.any_state:
+        return []
+    tensor_keys = tuple(dist_optimizer.optimizer_state_keys)
+    per_param_step = isinstance(inner, _PER_PARAM_STEP) and agreement.step is not None
+    filled = []
+    for group in inner.param_groups:
+        keys = tensor_keys + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for p in group["params"]:
+            if _local_tensor(p).numel() != 0:
+                continue
+            state = inner.state[p]
+            for key in keys:
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if per_param_step:
+                state["step"] = torch.tensor(agreement.step, dtype=_scalar_dtype())
+            filled.append(dist_optimizer._param_name(p))
+    return filled
+
+
+def upstream_keeps_empty_shard_state() -> bool:
+    """Probe: upstream gives empty-shard parameters optimizer state (or keeps their gradient).
+
+    No upstream API answers this yet, so it reads the source of
+    ``ParamAndGradBuffer.update_main_grads`` (drops the gradient of an empty shard?) and of
+    ``sharded_param_state_fsdp_dtensor`` (handles empty shards?); False without source.
+    """
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        ParamAndGradBuffer)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    packer = upstream_of(DistributedOptimizer.sharded_param_state_fsdp_dtensor)
+    try:
+        grads = inspect.getsource(ParamAndGradBuffer.update_main_grads)
+        packs = inspect.getsource(packer)
+    except (OSError, TypeError):
+        return False
+    drops_grad = "numel() == 0" in grads and "grad = None" in grads
+    return not drops_grad or "numel()" in packs
+
+
+class EmptyShardsFix(Fix):
+    """Part of ``fsdp_dtensor``: wraps ``DistributedOptimizer.sharded_param_state_fsdp_dtensor``."""
+
+    name = "fsdp_dtensor.empty_shards"
+    title = ("fsdp_dtensor: parameters with an empty local FSDP shard get optimizer state, so "
+             "the save/load no longer hangs")
+    upstream_refs = ("megatron-core 0.19.2 ParamAndGradBuffer.update_main_grads (empty shard: no "
+                     "optimizer state, ranks issue different collectives)",)
+    package = "megatron-core"
+    supported = "==0.19.2"
+
+    def upstream_behaves(self) -> bool:
+        return upstream_keeps_empty_shard_state()
+
+    def install(self, patcher: Patcher) -> None:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        upstream = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+
+        @wraps_upstream(upstream)
+        def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+            """Upstream's packing after :func:`fill_empty_shard_states`. On load, upstream's
+            dummy-state init runs first, here and only once, so the placeholders take its step."""
+            if is_loading:
+                self._init_optimizer_states_with_dummy_values()
+            fill_empty_shard_states(self)
+            return upstream(self, is_loading=False)
+
+        patcher.replace(
+            DistributedOptimizer, "sharded_param_state_fsdp_dtensor",
+            sharded_param_state_fsdp_dtensor,
+            "parameters with an empty local FSDP shard had no optimizer state, so ranks packed "
+            "different keys and the per-DTensor collectives of the fsdp_dtensor save/load hung "
+            "(empty iter_* directory)")
