@@ -55,7 +55,8 @@ NaN/Inf, ...; warnings do not count), 2 bad input (missing directory, no checkpo
 iteration mismatch, unsupported format, a ``--json`` path that cannot be written), found before
 any file is checked where it can be.
 
-Library: :func:`megatron.integrity.verify.verify_checkpoint`.
+Library: :func:`megatron.integrity.verify.verify_checkpoint` with
+:class:`megatron.integrity.verify.VerifyOptions`; design notes: ``docs/verify.md``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron.integrity.verify import CheckpointInputError, verify_checkpoint
+    from megatron.integrity.verify import CheckpointInputError, VerifyOptions, verify_checkpoint
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
@@ -134,13 +135,14 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if group is not None else 0
     try:
         try:
-            report = verify_checkpoint(
-                args.local_dir, args.persistent_dir, iteration=args.iteration,
+            options = VerifyOptions(
                 check_nonfinite=not args.no_nonfinite_check, verify_manifest=args.manifest,
                 compare_objects=not args.no_objects, batch_bytes=args.batch_mb * 1024 * 1024,
-                mmap=not args.no_mmap, readahead=not args.no_readahead, torch_threads=args.threads, group=group,
+                mmap=not args.no_mmap, readahead=not args.no_readahead, torch_threads=args.threads,
                 progress=not args.no_progress and sys.stderr.isatty(),
             )
+            report = verify_checkpoint(args.local_dir, args.persistent_dir, iteration=args.iteration,
+                                       options=options, group=group)
         except CheckpointInputError as e:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)

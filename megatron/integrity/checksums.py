@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron.integrity import device_hash
+from megatron.integrity.tensors import is_quantized
 
 try:
     import xxhash
@@ -144,7 +145,7 @@ def _check_algorithm(algorithm: str) -> None:
 
 
 def _check_plain(t: torch.Tensor, what: str) -> None:
-    if type(t).dequantize is not torch.Tensor.dequantize:
+    if is_quantized(t):
         raise TypeError(f"{what} got a quantized tensor ({type(t).__name__}); hash its dequantize()")
     if t.device.type == "meta":
         raise ValueError(f"{what}: a meta tensor has no data")
@@ -329,7 +330,7 @@ def verify_tensor(entry: Mapping, t: torch.Tensor, checksum: Optional[int] = Non
         ``None`` if dtype, shape and checksum match, else a :class:`Mismatch`.
     """
     key, index = entry["key"], entry["index"]
-    if type(t).dequantize is not torch.Tensor.dequantize:
+    if is_quantized(t):
         return Mismatch(key, index, entry["checksum"], None,
                         f"stored tensor is quantized ({type(t).__name__}), expected a plain tensor")
     if dtype_name(t.dtype) != entry["dtype"] or list(t.shape) != list(entry["shape"]):

@@ -21,16 +21,21 @@ Record (attribute :data:`IDENTITY_ATTR` of the saved ``TensorAwareStateDict``, b
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import pickle
-import re
 import socket
 import time
 import uuid
-import zipfile
 from typing import Any, List, Mapping, Optional, Tuple
+
+# the file names are defined in local_layout; re-exported here for existing callers
+from megatron.integrity.local_layout import (  # noqa: F401
+    LOCAL_FILE_RE,
+    MARKER_NAME,
+    QUARANTINE_DIR,
+    parse_local_name,
+)
+from megatron.integrity.torch_save import load_without_tensors
 
 __all__ = [
     "IDENTITY_ATTR",
@@ -57,17 +62,6 @@ IDENTITY_ATTR = "_megatron_local_identity"
 IDENTITY_FORMAT = "megatron.local_tier.identity"
 IDENTITY_VERSION = 1
 RUN_ID_FLAG = "--local-tier-run-id"
-
-MARKER_NAME = "LOCAL_TIER_BAD.json"
-"""Bad-tier marker, one per rank, in the rank's local checkpoint directory (written by the NaN
-window of :mod:`megatron.training_ext.local_tier`)."""
-
-QUARANTINE_DIR = "rejected"
-"""Sub-directory of a rank's local checkpoint directory that receives rejected local files."""
-
-LOCAL_FILE_RE = re.compile(r"iter_(\d+)_(\d+)_local(\.dirty)?\.pt")
-"""NVRx ``LocalCheckpointManager`` file names: ``iter_<7-digit iteration>_<owner rank>_local.pt``;
-``.dirty`` while being written (an unfinished save if it survives the process)."""
 
 RUN_SETTINGS: Tuple[str, ...] = (
     # what the run learns from, and how it starts
@@ -246,30 +240,6 @@ def identity_problems(rec: Optional[Mapping], run_id: str, settings: Mapping, to
     return out
 
 
-def parse_local_name(name: str) -> Optional[Tuple[int, int, bool]]:
-    """``(iteration, owner_rank, dirty)`` of a local checkpoint file name, ``None`` otherwise."""
-    m = LOCAL_FILE_RE.fullmatch(name)
-    return None if m is None else (int(m.group(1)), int(m.group(2)), m.group(3) is not None)
-
-
-class _HeaderUnpickler(pickle.Unpickler):
-    """Unpickles a ``torch.save`` archive's ``data.pkl`` without creating any tensor: storages
-    and tensor rebuilds become ``None``; every other object (the state dict, its metadata and the
-    records) is restored as usual."""
-
-    def find_class(self, module, name):
-        if module.startswith("torch") and name.startswith("_rebuild"):
-            return _no_tensor
-        return super().find_class(module, name)
-
-    def persistent_load(self, pid):
-        return None
-
-
-def _no_tensor(*args, **kwargs):
-    return None
-
-
 def read_header(path: str | os.PathLike) -> Any:
     """The object a local checkpoint file holds, with every tensor replaced by ``None``: reads
     only the archive's directory and its pickle (no tensor data), so its records
@@ -279,9 +249,4 @@ def read_header(path: str | os.PathLike) -> Any:
         OSError, zipfile.BadZipFile, pickle.UnpicklingError, ...: the file is missing, truncated
             or not a ``torch.save`` zip archive (callers treat any exception as unreadable).
     """
-    with zipfile.ZipFile(path) as z:
-        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not names:
-            raise ValueError(f"{path}: no data.pkl in the archive (not a torch.save file)")
-        with z.open(names[0]) as f:
-            return _HeaderUnpickler(io.BytesIO(f.read())).load()
+    return load_without_tensors(path)

@@ -1,28 +1,10 @@
-"""Read access to a persistent ``torch_dist`` checkpoint for the verifier: locating the iteration
-directory, metadata checks (chunk coverage, storage ranges), reading arbitrary tensor regions and
-objects, streaming every chunk of one data file, and megatron-core's integrity manifest.
-
-Format (megatron-core 0.19.2, ``--ckpt-format torch_dist``): an iteration directory
-``<save>/iter_<7 digits>/`` written by PyTorch Distributed Checkpoint (DCP) through megatron-core's
-``TorchDistSaveShardedStrategy``:
-
-* ``.metadata``: pickled ``torch.distributed.checkpoint.metadata.Metadata``.
-  ``state_dict_metadata[key]`` is a ``TensorStorageMetadata`` (global ``size``, ``properties.dtype``,
-  ``chunks``: ``ChunkStorageMetadata(offsets, sizes)`` in elements) for every ``ShardedTensor.key``
-  (layer-stacked keys include the prepended axes), or a ``BytesStorageMetadata`` for every
-  ``ShardedObject`` (key ``ShardedObject.unique_key`` = ``"<key>/shard_<offsets>_<shape>"``, offsets
-  and shape dot-joined) and ``common_state/shard_0_1``.
-  ``storage_data[MetadataIndex(key, chunk offsets)]`` gives the data file (``__<rank>_<n>.distcp``),
-  byte offset and length of the chunk's ``torch.save`` blob.
-* ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
-* ``integrity.json`` (only when saved with ``--verify-integrity``): megatron-core's per-file SHA-256
-  manifest (``megatron.core.dist_checkpointing.validation.save_integrity_manifest``).
-
-Tensor data is read with DCP's own reader (``FileSystemReader.read_data``) and a small
-``LoadPlanner`` that places each ``ReadItem`` into a caller-provided buffer; read items for an
-arbitrary region come from ``torch.distributed.checkpoint.planner_helpers.create_read_items_for_chunk_list``
-(the same resharding computation DCP's loader uses), so regions that span several saved chunks
-work.
+"""Read access to a persistent ``torch_dist`` checkpoint (megatron-core 0.19.2,
+``--ckpt-format torch_dist``: PyTorch DCP's ``.metadata`` + ``__<rank>_<n>.distcp`` data files) for
+the verifier: locating the iteration directory, metadata checks (chunk coverage, storage ranges),
+reading tensor regions (any region: PyTorch DCP's own ``FileSystemReader`` with
+``create_read_items_for_chunk_list``; one saved chunk: a zero-copy view of the mapped file) and
+objects, and streaming every chunk of one data file. The format and the reading strategy are
+described in ``docs/verify.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +16,6 @@ import math
 import mmap
 import os
 import re
-import struct
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -51,8 +31,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.integrity._readahead import ReadAhead
+from megatron.integrity.collective import RankFailures
 from megatron.integrity.manifest import INTEGRITY_FNAME  # one definition (megatron-core's name)
 from megatron.integrity.report import Problem
+from megatron.integrity.torch_save import mapped_tensor
 
 __all__ = [
     "CheckpointInputError",
@@ -65,10 +47,11 @@ __all__ = [
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
 
-class CheckpointInputError(ValueError):
+class CheckpointInputError(RankFailures, ValueError):
     """The verifier was given something it cannot verify (missing directory, no checkpoint files,
     unsupported format, local and persistent iterations that differ...). The message says what is
-    wrong and what to pass instead."""
+    wrong and what to pass instead. Raised by the verifier on every rank of its group
+    (``failures``: the ranks that found it)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,35 +245,6 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
     return t
 
 
-class _MapView(io.RawIOBase):
-    """A seekable, read-only file over ``mm[start:start + length]`` (no copy of the range)."""
-
-    def __init__(self, mm: mmap.mmap, start: int, length: int):
-        super().__init__()
-        self._mm, self._start, self._len, self._pos = mm, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        a = self._start + self._pos
-        b[:n] = self._mm[a:a + n]
-        self._pos += n
-        return n
-
-
 class PersistentCheckpoint:
     """An opened ``torch_dist`` iteration directory.
 
@@ -411,13 +365,11 @@ class PersistentCheckpoint:
     def chunk_view(self, key: str, chunk: ChunkStorageMetadata) -> Optional[torch.Tensor]:
         """Zero-copy view of one saved chunk: a tensor over a memory map of its data file.
 
-        The chunk's blob (``torch.save`` zip inside the ``.distcp`` file) is opened on the meta device
-        (``torch.load(map_location="meta")``: dtype, shape, strides, storage offset, no data read)
-        and the position of its single storage record is taken from the zip directory (stdlib
-        ``zipfile``; records are stored uncompressed). Returns ``None`` whenever that does not hold
-        exactly (a storage transform, several storages, a non-contiguous or partial view, a dtype or
-        shape other than the metadata's, a record beyond the blob): callers then read the chunk
-        through DCP's reader, which copies.
+        The chunk's blob (``torch.save`` zip inside the ``.distcp`` file) is mapped with
+        :func:`megatron.integrity.torch_save.mapped_tensor`. Returns ``None`` whenever that does
+        not hold exactly (a storage transform, several storages, a non-contiguous or partial view,
+        a dtype or shape other than the metadata's, a record beyond the blob): callers then read
+        the chunk through DCP's reader, which copies.
 
         Returns:
             A read-only-in-practice CPU tensor of ``chunk.sizes`` and the checkpoint dtype, or ``None``.
@@ -430,32 +382,10 @@ class PersistentCheckpoint:
         mm = self._map(info.relative_path)
         if mm is None:
             return None
-        start, length = int(info.offset), int(info.length)
-        try:
-            meta = torch.load(_MapView(mm, start, length), map_location="meta", weights_only=True)
-            zf = zipfile.ZipFile(_MapView(mm, start, length))
-            records = [i for i in zf.infolist() if re.search(r"/data/\d+$", i.filename)]
-        except Exception:  # noqa: BLE001 - anything unexpected: use the general path
+        view = mapped_tensor(mm, int(info.offset), int(info.length))
+        if view is None or view.dtype != md.properties.dtype or tuple(view.shape) != tuple(chunk.sizes):
             return None
-        if (not isinstance(meta, torch.Tensor) or meta.dtype != md.properties.dtype
-                or tuple(meta.shape) != tuple(chunk.sizes) or not meta.is_contiguous() or len(records) != 1
-                or records[0].compress_type != zipfile.ZIP_STORED):
-            return None
-        rec = records[0]
-        head = mm[start + rec.header_offset:start + rec.header_offset + 30]
-        if len(head) != 30 or head[:4] != b"PK\x03\x04":
-            return None
-        name_len, extra_len = struct.unpack("<HH", head[26:30])
-        data = rec.header_offset + 30 + name_len + extra_len
-        itemsize = meta.element_size()
-        nbytes = meta.numel() * itemsize
-        first = data + meta.storage_offset() * itemsize
-        if first + nbytes > data + rec.file_size or data + rec.file_size > length:
-            return None
-        if nbytes == 0:
-            return torch.empty(tuple(chunk.sizes), dtype=meta.dtype)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start + first)
-        return raw.view(meta.dtype).reshape(tuple(chunk.sizes))
+        return view
 
     def storage_range(self, key: str, offsets: Sequence[int]) -> Optional[Tuple[Path, int, int]]:
         """``(data file path, byte offset, length)`` of the saved chunk of ``key`` at ``offsets``
@@ -657,20 +587,3 @@ class PersistentCheckpoint:
         failed = self._read(items, _CallbackPlanner(resolve, commit, load_bytes), done)
         return [(ri.storage_index.fqn, None if ri.storage_index.offset is None else list(ri.storage_index.offset), e)
                 for ri, e in failed]
-
-    # ---- integrity manifest (megatron-core) --------------------------------------------------
-
-    def manifest(self) -> Optional[dict]:
-        """megatron-core's ``integrity.json`` (``{"algorithm": "sha256", "files": {name: hex}}``) or
-        ``None`` when the checkpoint was saved without it.
-
-        Raises:
-            CheckpointInputError: the file exists but is not valid JSON.
-        """
-        p = self.path / INTEGRITY_FNAME
-        if not p.is_file():
-            return None
-        try:
-            return json.loads(p.read_text())
-        except ValueError as e:
-            raise CheckpointInputError(f"{p} is not valid JSON: {e}") from e

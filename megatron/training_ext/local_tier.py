@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.integrity import checksums as ck
-from megatron.integrity import local_identity
+from megatron.integrity import local_identity, local_layout
 from megatron.training_ext.console import write_line
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
     LocalCheckpointManager,
@@ -68,10 +68,10 @@ local tier (``EX_TEMPFAIL``): start the job again; the next start loads the pers
 DEFAULT_NAN_WINDOW = 50
 """Default of ``--local-tier-nan-window`` (iterations after a local-tier resume)."""
 
-MARKER_NAME = local_identity.MARKER_NAME
+MARKER_NAME = local_layout.MARKER_NAME
 """Marker file, one per rank, in the rank's local checkpoint directory (``<root>/<session>/<rank>``)."""
 
-QUARANTINE_DIR = local_identity.QUARANTINE_DIR
+QUARANTINE_DIR = local_layout.QUARANTINE_DIR
 """Sub-directory of a rank's local checkpoint directory that receives rejected local checkpoint
 files (removed with the marker by the next local save complete on all ranks)."""
 
@@ -614,7 +614,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         removed = []
         if d.is_dir():
             for p in sorted(d.iterdir()):
-                parsed = local_identity.parse_local_name(p.name)
+                parsed = local_layout.parse_local_name(p.name)
                 if parsed is not None and parsed[2] and p.is_file():
                     p.unlink(missing_ok=True)
                     removed.append(p.name)
@@ -662,7 +662,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         d = Path(self.local_ckpt_dir)
         if d.is_dir():
             for p in d.iterdir():
-                parsed = local_identity.parse_local_name(p.name)
+                parsed = local_layout.parse_local_name(p.name)
                 if parsed is not None and not parsed[2] and p.is_file():
                     files.append((parsed[0], parsed[1], p))
         own_iters = [it for it, owner, _ in files if owner == me]
@@ -960,7 +960,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         bad_names = {self._filename_from_template(c.iteration, c.owner) for c in bad}
         moving = []
         for p in d.iterdir():
-            parsed = local_identity.parse_local_name(p.name)
+            parsed = local_layout.parse_local_name(p.name)
             if parsed is None or not p.is_file():
                 continue
             if keep is None or parsed[0] > keep or p.name in bad_names:

@@ -1,0 +1,219 @@
+"""Reading ``torch.save`` archives without ``torch.load``: where each tensor storage's bytes lie,
+a zero-copy view of a saved tensor, and the pickled object with every tensor left out.
+
+A ``torch.save`` file (PyTorch >= 1.6) is a zip archive: ``<name>/data.pkl`` (the pickled object)
+and one record ``<name>/data/<key>`` per storage, stored uncompressed. The byte offset of a
+record's data is its local header's offset + 30 + name length + extra length (PKWARE APPNOTE
+4.3.7). Every function here reads only the zip directory, local headers and the pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "MapView",
+    "StorageRecord",
+    "load_without_tensors",
+    "mapped_tensor",
+    "storage_records",
+    "tensor_file_ranges",
+]
+
+_STORAGE = re.compile(r"/data/\d+$")
+_LOCAL_HEADER = b"PK\x03\x04"
+_LOCAL_HEADER_LEN = 30
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage record of a ``torch.save`` archive.
+
+    Attributes:
+        name: the archive member (``"<name>/data/<key>"``).
+        offset: byte offset of the record's data from the archive's start.
+        nbytes: the record's length in bytes.
+    """
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+def _open(source: Union[str, os.PathLike, IO[bytes]]) -> Tuple[IO[bytes], bool]:
+    if isinstance(source, (str, os.PathLike)):
+        return open(source, "rb"), True
+    return source, False
+
+
+def storage_records(source: Union[str, os.PathLike, IO[bytes]]) -> List[StorageRecord]:
+    """The storage records (``.../data/<n>``) of a ``torch.save`` archive, in directory order.
+
+    Args:
+        source: a path, or a seekable binary file object positioned anywhere (offsets are from
+            its position 0).
+
+    Raises:
+        ValueError: a storage record is compressed or its local header is malformed.
+        OSError, zipfile.BadZipFile: unreadable, or not a zip archive.
+    """
+    f, owned = _open(source)
+    try:
+        out = []
+        for info in zipfile.ZipFile(f).infolist():
+            if not _STORAGE.search(info.filename):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"storage record {info.filename} is compressed")
+            f.seek(info.header_offset)
+            head = f.read(_LOCAL_HEADER_LEN)
+            if len(head) != _LOCAL_HEADER_LEN or head[:4] != _LOCAL_HEADER:
+                raise ValueError(f"storage record {info.filename}: no local header at "
+                                 f"{info.header_offset}")
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            data = info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
+            out.append(StorageRecord(info.filename, data, info.file_size))
+        return out
+    finally:
+        if owned:
+            f.close()
+
+
+def tensor_file_ranges(path: str, tensors: Sequence[torch.Tensor]
+                       ) -> Optional[List[Tuple[int, int]]]:
+    """``(offset, nbytes)`` in the file of each tensor of a memory-mapped
+    ``torch.load(path, mmap=True)``, or ``None`` when that cannot be established exactly.
+
+    The storages of a mapped file are slices of one mapping in file order; the mapping's base is
+    the one address shift under which every storage starts exactly at a record of its size (the
+    file may hold more records: tensors in objects).
+    """
+    try:
+        recs = [(r.offset, r.nbytes) for r in storage_records(path) if r.nbytes]
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    storages: Dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            storages[st.data_ptr()] = st.nbytes()
+    ptrs = sorted(storages)
+    if not ptrs or len(ptrs) > len(recs):
+        return None
+    rec_size = dict(recs)
+    where: Optional[Dict[int, int]] = None
+    for off0 in sorted(rec_size):  # the record of the lowest storage fixes the mapping's base
+        base = ptrs[0] - off0
+        if all(rec_size.get(p - base) == storages[p] for p in ptrs):
+            where = {p: p - base for p in ptrs}
+            break
+    if where is None:
+        return None
+    out = []
+    for t in tensors:
+        st = t.untyped_storage()
+        if not st.nbytes():
+            out.append((0, 0))
+            continue
+        out.append((where[st.data_ptr()] + t.storage_offset() * t.element_size(),
+                    t.numel() * t.element_size()))
+    return out
+
+
+class MapView(io.RawIOBase):
+    """A seekable, read-only file over ``buf[start:start + length]`` (an ``mmap``; no copy)."""
+
+    def __init__(self, buf: Any, start: int, length: int):
+        super().__init__()
+        self._buf, self._start, self._len, self._pos = buf, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        a = self._start + self._pos
+        b[:n] = self._buf[a:a + n]
+        self._pos += n
+        return n
+
+
+def mapped_tensor(buf: Any, start: int, length: int) -> Optional[torch.Tensor]:
+    """Zero-copy CPU view of the one tensor that ``torch.save`` wrote to ``buf[start:start +
+    length]`` (``buf``: a writable ``mmap``, e.g. ``ACCESS_COPY``), or ``None`` unless that holds
+    exactly: one storage record, uncompressed, a contiguous tensor lying inside it and the blob.
+
+    The tensor is opened on the meta device first (``torch.load(map_location="meta")``: dtype,
+    shape, storage offset; no data read).
+    """
+    try:
+        meta = torch.load(MapView(buf, start, length), map_location="meta", weights_only=True)
+        records = storage_records(MapView(buf, start, length))
+    except Exception:  # noqa: BLE001 - anything unexpected: not a plain saved tensor
+        return None
+    if not isinstance(meta, torch.Tensor) or not meta.is_contiguous() or len(records) != 1:
+        return None
+    rec = records[0]
+    itemsize = meta.element_size()
+    nbytes = meta.numel() * itemsize
+    first = rec.offset + meta.storage_offset() * itemsize
+    if first + nbytes > rec.offset + rec.nbytes or rec.offset + rec.nbytes > length:
+        return None
+    if nbytes == 0:
+        return torch.empty(tuple(meta.shape), dtype=meta.dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start + first)
+    return raw.view(meta.dtype).reshape(tuple(meta.shape))
+
+
+class _NoTensorUnpickler(pickle.Unpickler):
+    """Unpickles ``data.pkl`` without creating any tensor: storages and tensor rebuilds become
+    ``None``; every other object is restored as usual."""
+
+    def find_class(self, module, name):
+        if module.startswith("torch") and name.startswith("_rebuild"):
+            return _no_tensor
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        return None
+
+
+def _no_tensor(*args, **kwargs):
+    return None
+
+
+def load_without_tensors(path: Union[str, os.PathLike]) -> Any:
+    """The object a ``torch.save`` file holds, with every tensor replaced by ``None`` (reads the
+    archive's directory and its ``data.pkl`` only). Unpickling runs code the file names, as
+    ``torch.load(weights_only=False)`` does.
+
+    Raises:
+        ValueError: the archive has no ``data.pkl``.
+        OSError, zipfile.BadZipFile, pickle.UnpicklingError, ...: missing, truncated or not a zip.
+    """
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if not names:
+            raise ValueError(f"{path}: no data.pkl in the archive (not a torch.save file)")
+        with z.open(names[0]) as f:
+            return _NoTensorUnpickler(io.BytesIO(f.read())).load()
