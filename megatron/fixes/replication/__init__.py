@@ -8,14 +8,12 @@ arrive wrong, ``float8_*`` / ``uint16`` fail on gloo; peer recovery hardcodes ``
 
 :class:`FixedCliqueReplicationStrategy` dequantizes and densifies every tensor, sends flat bytes,
 checksums every replica (xxh3 on gloo, ``pmix64`` on the GPU over NCCL) and verifies them before
-any file is written and again on load; it raises :class:`UnsupportedTensorError` or
-:class:`~megatron.integrity.checksums.ChecksumMismatchError` on every rank of the group.
-Modules: ``convert`` (checks, dequantize), ``plan`` (message layout), ``transport``
-(:class:`~.transport.ReplicaExchange`; its ``_broadcast`` / ``_cpu_checksum`` are the fault and
-timing hooks), ``replicate``, ``retrieve``, ``strategy``, ``probe``. Design:
-docs/fixes/replication.md.
+any file is written and again on load; failures raise :class:`UnsupportedTensorError` or
+:class:`GroupChecksumMismatchError` (a ``ChecksumMismatchError``) on every rank of the group.
+Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; its ``_broadcast`` and
+``_cpu_checksum`` are the fault and timing hooks), ``replicate``, ``retrieve``, ``strategy``,
+``probe``. Design: docs/fixes/replication.md.
 """
-
 from __future__ import annotations
 
 from megatron.fixes.base import Fix
