@@ -185,7 +185,7 @@ def _worker(rank, world, port, args, out_q):
     csum_time = [0.0]
     cpu = [0.0]
     sent = [0]
-    real_csum, real_bcast = R._cpu_checksum, R._broadcast
+    real_csum, real_bcast = R.transport._cpu_checksum, R.transport._broadcast
 
     def timed_csum(ptr, nbytes):
         t0 = time.perf_counter()
@@ -218,12 +218,12 @@ def _worker(rank, world, port, args, out_q):
     real_device_csum = ck.tensor_checksum_on_device
 
     def v_fixed_nocsum(key):
-        R._cpu_checksum = lambda ptr, nbytes: 0
+        R.transport._cpu_checksum = lambda ptr, nbytes: 0
         ck.tensor_checksum_on_device = lambda t: torch.zeros((), dtype=torch.int64, device=t.device)
         try:
             return v_fixed(key)
         finally:
-            R._cpu_checksum = timed_csum
+            R.transport._cpu_checksum = timed_csum
             ck.tensor_checksum_on_device = real_device_csum
 
     def v_bcast(key):
@@ -251,7 +251,7 @@ def _worker(rank, world, port, args, out_q):
     ]
     if not cuda:
         variants.append(("fixed/quantized", v_fixed, "q"))
-    R._cpu_checksum, R._broadcast = timed_csum, counting_bcast
+    R.transport._cpu_checksum, R.transport._broadcast = timed_csum, counting_bcast
     times = {name: [] for name, _, _ in variants}
     cpus = {name: [] for name, _, _ in variants}
     shares = []

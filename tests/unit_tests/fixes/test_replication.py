@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -195,11 +196,20 @@ def _guard_no_quantizer(rank, root):
         # rank 1 receives rank 0's quantized tensor first: empty_like on the unpickled
         # placeholder has no quantizer to call make_empty on
         assert rank == 1 and "make_empty" in str(e), (rank, e)
-        return
+        _leave_broken_group()
     except RuntimeError as e:  # rank 0 loses its partner mid-broadcast
         assert rank == 0, (rank, e)
-        return
+        _leave_broken_group()
     raise AssertionError("upstream replication unexpectedly survived a dropped quantizer")
+
+
+def _leave_broken_group():
+    """The scenario passed but left the group mid-collective (rank 0 still inside upstream's
+    broadcast): a barrier or teardown would wait forever, and rank 0 only sees its partner gone
+    once rank 1's process has ended. Leave now, as run_distributed does after a passing body."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _guards_body(rank, world, root):
@@ -320,12 +330,12 @@ def _staging_reuse(rank):
     torch.distributed.all_gather_object(expected, [t.clone() for t in tensors])
     strategy = R.FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
     strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 64, 2
-    real = R._broadcast
-    R._broadcast = _DeferredWork
+    real = R.transport._broadcast
+    R.transport._broadcast = _DeferredWork
     try:
         hollows, ids = R.fixed_replicate(strategy, D.ListStateDict(tensors), f"id{rank}")
     finally:
-        R._broadcast = real
+        R.transport._broadcast = real
     assert ids == [f"id{r}" for r in range(WORLD)]
     for owner in range(WORLD):
         got = list(hollows[owner].tensors)
@@ -375,7 +385,7 @@ def _transit_corruption(rank, root, algorithm="xxh3_64"):
     from megatron.fixes import replication
     from megatron.integrity.checksums import ChecksumMismatchError
 
-    real = replication._broadcast
+    real = replication.transport._broadcast
     state = {"done": False}
 
     class _CorruptingWork:
@@ -392,7 +402,7 @@ def _transit_corruption(rank, root, algorithm="xxh3_64"):
         work = real(buf, src, group)
         return _CorruptingWork(work, buf) if rank == 1 and src == 0 else work
 
-    replication._broadcast = corrupting_broadcast
+    replication.transport._broadcast = corrupting_broadcast
     try:
         tensors = {"a.first": torch.randn(16), "b.second": torch.randn(16)}
         tasd = _tasd(rank, tensors)
@@ -401,7 +411,7 @@ def _transit_corruption(rank, root, algorithm="xxh3_64"):
         with pytest.raises(ChecksumMismatchError) as info:
             _manager(root, strategy).save(tasd, ITER)
     finally:
-        replication._broadcast = real
+        replication.transport._broadcast = real
     msg = str(info.value)
     assert "key 'a.first'" in msg and "sent by rank 0" in msg and "received by rank 1" in msg, msg
     assert "b.second" not in msg, msg

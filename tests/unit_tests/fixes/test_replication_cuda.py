@@ -38,7 +38,7 @@ def test_replicate_hashes_on_the_gpu_without_host_copies_for_checksums(nccl_grou
     def no_cpu_hash(*a, **k):
         raise AssertionError("a CPU hash ran inside replicate() on CUDA")
 
-    monkeypatch.setattr(R, "_cpu_checksum", no_cpu_hash)
+    monkeypatch.setattr(R.transport, "_cpu_checksum", no_cpu_hash)
     monkeypatch.setattr(ck, "checksum_bytes", no_cpu_hash)
     g = torch.Generator(device="cuda").manual_seed(0)
     tensors = [torch.randn(n, device="cuda", generator=g) for n in (1 << 20, 4096, 3, 1 << 18)]

@@ -1,0 +1,108 @@
+"""Fix: local checkpoint replication corrupts quantized weights (NVRx issue 349, Megatron-LM issue
+5281).
+
+With ``--non-persistent-ckpt-type local --replication``, NVRx 0.7.0
+``CliqueReplicationStrategy.replicate`` broadcasts raw tensors into ``empty_like`` buffers:
+replicas of Transformer Engine quantized weights (``--fp8-param-gather``) are NaN, non-dense views
+arrive wrong, ``float8_*`` / ``uint16`` fail on gloo; peer recovery hardcodes ``.cuda()``.
+
+:class:`FixedCliqueReplicationStrategy` dequantizes and densifies every tensor, sends flat bytes,
+checksums every replica (xxh3 on gloo, ``pmix64`` on the GPU over NCCL) and verifies them before
+any file is written and again on load; failures raise :class:`UnsupportedTensorError` or
+:class:`GroupChecksumMismatchError` (a ``ChecksumMismatchError``) on every rank of the group.
+Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; its ``_broadcast`` and
+``_cpu_checksum`` are the fault and timing hooks), ``replicate``, ``retrieve``, ``strategy``,
+``probe``. Design: docs/fixes/replication.md.
+"""
+from __future__ import annotations
+
+from megatron.fixes.base import Fix
+from megatron.fixes.registry import Patcher
+from megatron.fixes.replication import probe
+from megatron.fixes.replication.convert import (
+    UnsupportedTensorError,
+    check_tensor,
+    prepare_tensor,
+)
+from megatron.fixes.replication.plan import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_DIRECT_MIN_FRACTION,
+    DEFAULT_PIPELINE_DEPTH,
+    DIRECT_CHUNK_BYTES,
+    comm_device,
+)
+from megatron.fixes.replication.plan import _interleave as _interleave  # re-exported for tests
+from megatron.fixes.replication.plan import _plan_messages as _plan_messages
+from megatron.fixes.replication.plan import _segments as _segments
+from megatron.fixes.replication.replicate import GroupChecksumMismatchError, fixed_replicate
+from megatron.fixes.replication.retrieve import fixed_retrieve_execute
+from megatron.fixes.replication.strategy import (
+    _UPSTREAM_REPLICATE,
+    FixedCliqueReplicationStrategy,
+    _strategies,
+    _UpstreamClique,
+)
+from megatron.fixes.replication.transport import ReplicaExchange, checksum_algorithm
+from megatron.integrity.checksums import ChecksumMismatchError
+from megatron.integrity.tensors import is_quantized
+
+__all__ = [
+    "ChecksumMismatchError",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_DIRECT_MIN_FRACTION",
+    "DEFAULT_PIPELINE_DEPTH",
+    "DIRECT_CHUNK_BYTES",
+    "FIX",
+    "FixedCliqueReplicationStrategy",
+    "GroupChecksumMismatchError",
+    "ReplicaExchange",
+    "ReplicationFix",
+    "UnsupportedTensorError",
+    "check_tensor",
+    "checksum_algorithm",
+    "comm_device",
+    "fixed_replicate",
+    "fixed_retrieve_execute",
+    "is_quantized",
+    "prepare_tensor",
+]
+
+
+class ReplicationFix(Fix):
+    """Installs :class:`FixedCliqueReplicationStrategy` in place of NVRx's class and its methods."""
+
+    name = "replication"
+    title = ("Local checkpoint replication: faithful, checksummed replicas; "
+             "recovery over any backend")
+    upstream_refs = ("NVRx issue 349", "Megatron-LM issue 5281")
+    package = "nvidia-resiliency-ext"
+    supported = "==0.7.0"
+
+    def upstream_behaves(self) -> bool:
+        """True if the installed upstream ``replicate`` already hands the transport dequantized,
+        dense tensors (:mod:`.probe`)."""
+        return probe.upstream_handles_unfaithful_tensors(_UpstreamClique, _UPSTREAM_REPLICATE)
+
+    def install(self, patcher: Patcher) -> None:
+        """Point the upstream class's methods and the NVRx name at the fixed implementation."""
+        if _strategies is None:  # pragma: no cover - apply() reports NOT_APPLICABLE first
+            raise RuntimeError("nvidia_resiliency_ext is not importable")
+        patcher.replace(
+            _UpstreamClique, "replicate", fixed_replicate,
+            "a strategy built from the class bound before apply() stops writing NaN replicas of "
+            "Transformer Engine quantized weights and wrong replicas of non-dense views",
+        )
+        patcher.replace(
+            _UpstreamClique, "retrieve_execute", fixed_retrieve_execute,
+            "peer recovery verifies checksums and runs over gloo/CPU as well as NCCL (upstream "
+            "hardcodes .cuda() in GroupWrapper.isend_state_dict / irecv_state_dict)",
+        )
+        patcher.replace(
+            _strategies, "CliqueReplicationStrategy", FixedCliqueReplicationStrategy,
+            "pretrain() and from_replication_params (cls(...)) build the fixed subclass, whose "
+            "replicas are dequantized, dense and checksum-verified instead of NaN for quantized "
+            "weights",
+        )
+
+
+FIX = ReplicationFix()
