@@ -252,9 +252,3 @@ def install_training_hooks(args: argparse.Namespace) -> None:
         from megatron.training_ext import local_tier
 
         local_tier.install(args)
-    if (os.environ.get("MEGATRON_TEST_FAULT") or os.environ.get("MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD")
-            or os.environ.get("MEGATRON_TEST_KILL_IN_LOCAL_SAVE")
-            or os.environ.get("MEGATRON_TEST_ABORT_ASYNC_SAVE")):
-        from megatron.training_ext import fault_injection  # test-only hooks
-
-        fault_injection.install_from_env(args)

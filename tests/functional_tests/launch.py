@@ -1,7 +1,9 @@
 """Launch the real entrypoint (``pretrain_gpt.py``) under torchrun for functional tests.
 
 CPU (``--cpu``, gloo) by default; on a machine with CUDA and ``MEGATRON_TEST_DEVICE=cuda`` the same
-commands run on the GPU(s) without ``--cpu``.
+commands run on the GPU(s) without ``--cpu``. Runs that inject faults (``MEGATRON_TEST_*``
+variables, :mod:`tests.functional_tests.fault_injection`) launch ``entry=FAULTS_ENTRY``, the
+test entrypoint that is ``pretrain_gpt.py`` plus the fault hooks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from tests.helpers.dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "pretrain_gpt.py"
+#: The test entrypoint: ``pretrain_gpt.py`` plus the test-only fault hooks.
+FAULTS_ENTRY = REPO / "tests" / "functional_tests" / "pretrain_gpt_faults.py"
 
 #: A tiny GPT: 2 layers, hidden 64, dropout on (upstream defaults 0.1), 20 iterations of 4 samples.
 TINY_GPT = (
@@ -51,8 +55,10 @@ class Run:
 
 
 def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, loss_file: str = "losses.jsonl",
-                 timeout: float = 600, env: dict | None = None, check: bool = True) -> Run:
-    """Run ``torchrun --nproc-per-node N pretrain_gpt.py [--cpu] TINY_GPT ARGS --loss-log FILE``.
+                 timeout: float = 600, env: dict | None = None, check: bool = True,
+                 entry: Path = ENTRY) -> Run:
+    """Run ``torchrun --nproc-per-node N ENTRY [--cpu] TINY_GPT ARGS --loss-log FILE`` (``entry``:
+    ``pretrain_gpt.py``, or :data:`FAULTS_ENTRY` for runs with fault injection).
 
     Returns the exit code, the combined output and the losses this run logged (iteration -> record).
     Raises AssertionError (with the output tail) when ``check`` and the run failed.
@@ -62,7 +68,7 @@ def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, l
     if log.exists():
         log.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(ENTRY)]
+           f"--master-port={free_port()}", str(entry)]
     if device(env) == "cpu":
         cmd.append("--cpu")
     else:
@@ -148,13 +154,14 @@ def kill_tagged(tag: str) -> list[str]:
 
 
 def pretrain_command(args, nproc: int = 2, mock: bool = True, env: dict | None = None,
-                     launcher: list[str] | None = None, log: Path | None = None) -> list[str]:
+                     launcher: list[str] | None = None, log: Path | None = None,
+                     entry: Path = ENTRY) -> list[str]:
     """The command :func:`run_pretrain` runs (``launcher`` defaults to ``python -m
     torch.distributed.run --nproc-per-node N --master-port <free>``), ``--loss-log log`` last."""
     cmd = list(launcher) if launcher is not None else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}"]
-    cmd.append(str(ENTRY))
+    cmd.append(str(entry))
     if device(env) == "cpu":
         cmd.append("--cpu")
     else:
@@ -182,7 +189,7 @@ class ReapedRun(Run):
 
 def run_pretrain_reaped(workdir: Path, *args: str, nproc: int = 2, mock: bool = True,
                         loss_file: str = "losses.jsonl", timeout: float = 600, env: dict | None = None,
-                        check: bool = True) -> ReapedRun:
+                        check: bool = True, entry: Path = ENTRY) -> ReapedRun:
     """:func:`run_pretrain` for runs in which a rank may be killed: output goes to a file
     (``<loss_file stem>.out`` in ``workdir``) and the call returns when ``torchrun`` exits, then
     ends whatever the run left running (see :data:`TAG_ENV`); they are listed in ``leftovers``."""
@@ -192,7 +199,7 @@ def run_pretrain_reaped(workdir: Path, *args: str, nproc: int = 2, mock: bool = 
         log.unlink()
     out_path = workdir / (Path(loss_file).stem + ".out")
     tag = f"{os.getpid()}-{time.time_ns()}"
-    cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log)
+    cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log, entry=entry)
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=workdir, env=_launch_env(env, tag), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -272,11 +279,13 @@ class Node:
 def start_node(workdir: Path, node_rank: int, nnodes: int, rdzv_endpoint: str, rdzv_id: str,
                args: list[str], *, output: Path, loss_file: Path, nproc: int = 1, mock: bool = True,
                env: dict | None = None, launcher: list[str] | None = None,
-               launcher_args: list[str] = (), script_args: list[str] = ()) -> Node:
+               launcher_args: list[str] = (), script_args: list[str] = (),
+               entry: Path = ENTRY) -> Node:
     """Start one node of a multi-node job on this machine, without waiting: ``LAUNCHER --nnodes N
     --nproc-per-node P --node-rank R --rdzv-backend c10d --rdzv-endpoint E --rdzv-id I
-    --local-addr 127.0.0.<R+1> --rdzv-conf is_host=<R==0> LAUNCHER_ARGS pretrain_gpt.py [--cpu]
-    TINY_GPT ARGS SCRIPT_ARGS --loss-log LOSS_FILE`` in ``workdir``, output to ``output``.
+    --local-addr 127.0.0.<R+1> --rdzv-conf is_host=<R==0> LAUNCHER_ARGS ENTRY [--cpu]
+    TINY_GPT ARGS SCRIPT_ARGS --loss-log LOSS_FILE`` in ``workdir``, output to ``output``
+    (``entry``: ``pretrain_gpt.py``, or :data:`FAULTS_ENTRY`).
 
     ``launcher`` defaults to ``python -m torch.distributed.run`` (torchrun). The c10d rendezvous
     orders nodes by address, so ``--local-addr 127.0.0.<R+1>`` (loopback, all of 127/8) makes
@@ -291,7 +300,8 @@ def start_node(workdir: Path, node_rank: int, nnodes: int, rdzv_endpoint: str, r
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
             f"--local-addr=127.0.0.{node_rank + 1}", f"--rdzv-conf=is_host={int(node_rank == 0)}",
             *launcher_args]
-    cmd = pretrain_command([*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file)
+    cmd = pretrain_command([*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file,
+                           entry=entry)
     tag = f"{os.getpid()}-{time.time_ns()}-node{node_rank}"
     full_env = _launch_env(env, tag)
     # torchrun sets OMP_NUM_THREADS=1 only with --nproc-per-node > 1: with one worker per node it

@@ -3,7 +3,8 @@
 
 Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations and
 local checkpoints every 2, replicated to the other rank. Faults are deterministic
-(:mod:`megatron.training_ext.fault_injection`): rank 1 leaves with ``os._exit(1)`` just before
+(:mod:`tests.functional_tests.fault_injection`; those runs launch the test entrypoint
+``tests/functional_tests/pretrain_gpt_faults.py``): rank 1 leaves with ``os._exit(1)`` just before
 iteration 7, after the local checkpoint at 6 was saved.
 
 Runs 1 and 2 go through the example launcher ``examples/ft_launcher/pretrain_gpt_ft.sh``.
@@ -35,7 +36,15 @@ import pytest
 
 from megatron.training_ext import loss_log
 from megatron.training_ext.local_tier import LOCAL_TIER_BAD_EXIT_CODE, MARKER_NAME
-from tests.functional_tests.launch import ENTRY, REPO, TINY_GPT, assert_bitwise_equal, device, run_pretrain
+from tests.functional_tests.launch import (
+    ENTRY,
+    FAULTS_ENTRY,
+    REPO,
+    TINY_GPT,
+    assert_bitwise_equal,
+    device,
+    run_pretrain,
+)
 from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
@@ -62,13 +71,14 @@ def ft_launcher():
 
 
 def run_ft(workdir: Path, *args: str, env: dict | None = None, max_restarts: int = 1,
-           timeout: float = 1500) -> tuple[int, str, Path]:
+           timeout: float = 1500, entry: Path = ENTRY) -> tuple[int, str, Path]:
     """The example launcher ``examples/ft_launcher/pretrain_gpt_ft.sh`` (ft_launcher with
     ``ft_config.yaml``, 2 workers, ``--enable-ft-package``) running
-    ``pretrain_gpt.py [--cpu] TINY_GPT ARGS`` in ``workdir``; returns (exit code, output, loss log)."""
+    ``ENTRY [--cpu] TINY_GPT ARGS`` in ``workdir`` (``pretrain_gpt.py``, or ``FAULTS_ENTRY`` with
+    fault injection); returns (exit code, output, loss log)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "losses.jsonl"
-    cmd = ["bash", str(FT_EXAMPLE), str(ENTRY)]
+    cmd = ["bash", str(FT_EXAMPLE), str(entry)]
     if device(env) == "cpu":
         cmd.append("--cpu")
     cmd += TINY_GPT + ["--mock-data"] + list(args) + ["--loss-log", str(log)]
@@ -104,7 +114,7 @@ def _fault(workdir: Path, **extra) -> dict:
 
 
 def test_in_job_restart_recovers_lost_rank_from_replica_bitwise(ft_launcher, tmp_path, straight):
-    rc, out, log = run_ft(tmp_path, *SCHEDULE, *TIERS, env=_fault(tmp_path))
+    rc, out, log = run_ft(tmp_path, *SCHEDULE, *TIERS, env=_fault(tmp_path), entry=FAULTS_ENTRY)
     assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
     assert "[fault-injection] rank 1: deleted its local checkpoint directory" in out
     assert "[fault-injection] rank 1: crashing (os._exit(1)) before iteration 7" in out
@@ -122,7 +132,8 @@ def corrupted_replica_run(ft_launcher, tmp_path_factory):
     work = tmp_path_factory.mktemp("corrupt")
     # the file rank 0 holds for rank 1 and will send to it after rank 1's directory is gone
     replica = work / "local" / "0" / "iter_0000006_1_local.pt"
-    rc, out, log = run_ft(work, *SCHEDULE, *TIERS, env=_fault(work, corrupt=replica))
+    rc, out, log = run_ft(work, *SCHEDULE, *TIERS, env=_fault(work, corrupt=replica),
+                          entry=FAULTS_ENTRY)
     return work, rc, out, log
 
 
@@ -157,7 +168,8 @@ def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
     env = {"MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD": "14"}
     args = ["--train-iters", "16", *TIERS]
 
-    first = run_pretrain(work, *args, env=env, check=False, loss_file="first.jsonl")
+    first = run_pretrain(work, *args, env=env, check=False, loss_file="first.jsonl",
+                         entry=FAULTS_ENTRY)
     assert first.returncode != 0
     assert f"exitcode  : {LOCAL_TIER_BAD_EXIT_CODE}" in first.output, first.output[-4000:]
     assert "local checkpoint at iteration 12 verified on all ranks" in first.output
@@ -170,7 +182,7 @@ def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10", \
         "nothing may be saved from the diverged state"
 
-    second = run_pretrain(work, *args, env=env, loss_file="second.jsonl")
+    second = run_pretrain(work, *args, env=env, loss_file="second.jsonl", entry=FAULTS_ENTRY)
     lines = rejection_lines(second.output)
     assert len(lines) == 2 and all("bad-tier marker" in ln and "at iteration 14" in ln for ln in lines), lines
     assert all("iteration 10 in ckpt" in ln for ln in lines), lines

@@ -19,7 +19,7 @@ import zipfile
 import pytest
 import torch
 
-from megatron.training_ext import fault_injection
+from tests.functional_tests import fault_injection
 from tests.helpers.dist import run_distributed
 
 WORLD = 2

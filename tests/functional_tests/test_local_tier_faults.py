@@ -1,5 +1,7 @@
 """Faults during and around local checkpoint saves, on the real entrypoint (``pretrain_gpt.py``, 2
-ranks, ``--cpu``), and a two-node run on one machine that loses a node.
+ranks, ``--cpu``; the runs with faults launch the test entrypoint
+``tests/functional_tests/pretrain_gpt_faults.py``, ``pretrain_gpt.py`` plus the hooks of
+:mod:`tests.functional_tests.fault_injection`), and a two-node run on one machine that loses a node.
 
 Every run trains ``--train-iters 16 --exit-interval 14`` with persistent ``torch_dist`` checkpoints every 5 iterations
 and local checkpoints every 2, replicated to the other rank (jump 1, factor 2); one uninterrupted
@@ -45,8 +47,9 @@ from pathlib import Path
 import pytest
 
 from megatron.training_ext import loss_log
-from megatron.training_ext.fault_injection import ENV_FAULT, ENV_KILL_LOCAL_SAVE
+from tests.functional_tests.fault_injection import ENV_FAULT, ENV_KILL_LOCAL_SAVE
 from tests.functional_tests.launch import (
+    FAULTS_ENTRY,
     assert_bitwise_equal,
     local_files,
     run_pretrain_reaped,
@@ -104,7 +107,8 @@ def test_restart_after_kill_in_local_save_is_bitwise(tmp_path, straight, moment,
     spec += (f",fraction={fraction}" if fraction is not None else "") + f",once={tmp_path / 'kill.done'}"
     env = {ENV_KILL_LOCAL_SAVE: spec}
 
-    killed = run_pretrain_reaped(tmp_path, *SCHEDULE, *TIERS, env=env, check=False, loss_file="killed.jsonl")
+    killed = run_pretrain_reaped(tmp_path, *SCHEDULE, *TIERS, env=env, check=False,
+                                 loss_file="killed.jsonl", entry=FAULTS_ENTRY)
     out = killed.output
     assert killed.returncode != 0, out[-4000:]
     assert (f"[fault-injection] rank 1: SIGKILL during its local save of iteration {KILL_AT} "
@@ -143,7 +147,8 @@ def test_restart_after_kill_in_local_save_is_bitwise(tmp_path, straight, moment,
     if moment == "cleanup":
         assert resume_from == KILL_AT
 
-    restart = run_pretrain_reaped(tmp_path, *SCHEDULE, *TIERS, env=env, check=False, loss_file="restart.jsonl")
+    restart = run_pretrain_reaped(tmp_path, *SCHEDULE, *TIERS, env=env, check=False,
+                                  loss_file="restart.jsonl", entry=FAULTS_ENTRY)
     assert restart.returncode == 0, f"restart failed ({restart.returncode}):\n{restart.output[-8000:]}"
     assert "[fault-injection]" not in restart.output
     assert restart.first_iteration() == resume_from + 1, (sorted(restart.losses), holders)
@@ -175,7 +180,8 @@ def _node(work: Path, node_rank: int, launcher: str, rdzv: tuple[int, str], tag:
         launch = dict(launcher_args=["--max-restarts", str(max_restarts)])
     port, rdzv_id = rdzv
     return start_node(work, node_rank, 2, f"127.0.0.1:{port}", rdzv_id, args, env=env,
-                      output=work / f"{tag}_{node}.log", loss_file=work / loss_file, **launch)
+                      output=work / f"{tag}_{node}.log", loss_file=work / loss_file,
+                      entry=FAULTS_ENTRY, **launch)
 
 
 def _rdzv(tag: str) -> tuple[int, str]:

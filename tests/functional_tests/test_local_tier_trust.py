@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training_ext.fault_injection import flip_byte_in_largest_storage
+from tests.functional_tests.fault_injection import flip_byte_in_largest_storage
 from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain, start_lines
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.functional_tests.launch import run_pretrain, run_pretrain_reaped
+from tests.functional_tests.launch import FAULTS_ENTRY, run_pretrain, run_pretrain_reaped
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _tier(work, kind):
 def _crashed_finetune(work, kind, pretrained):
     """Fine-tune from ``pretrained``, non-persistent saves every 3 iterations, crash after 4."""
     crashed = run_pretrain_reaped(work, "--pretrained-checkpoint", str(pretrained), *_tier(work, kind),
-                                  env=CRASH, check=False, timeout=400)
+                                  env=CRASH, check=False, timeout=400, entry=FAULTS_ENTRY)
     assert crashed.returncode != 0 and sorted(crashed.losses) == [1, 2, 3, 4], crashed.output[-3000:]
     assert not (work / "ckpt" / "latest_checkpointed_iteration.txt").exists()
     return crashed

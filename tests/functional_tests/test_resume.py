@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.functional_tests.launch import (
+    FAULTS_ENTRY,
     assert_bitwise_equal,
     assert_printed_losses_match_log,
     iterations_during_save,
@@ -124,7 +125,7 @@ def test_async_save_after_an_abort_is_complete_and_resumes_bitwise(tmp_path, str
     shown in tests/unit_tests/fixes/test_async_reset.py.)"""
     first = run_pretrain(tmp_path, "--save", str(tmp_path / "ckpt"), "--exit-interval", "10",
                          "--save-interval", "5", "--async-save",
-                         env={"MEGATRON_TEST_ABORT_ASYNC_SAVE": "5"})
+                         env={"MEGATRON_TEST_ABORT_ASYNC_SAVE": "5"}, entry=FAULTS_ENTRY)
     aborted = [ln for ln in first.output.splitlines() if "aborted async checkpointing" in ln]
     assert len(aborted) == 2 and all("1 save(s) not finalised, 1 write result(s) posted" in ln
                                      for ln in aborted), aborted

@@ -23,7 +23,7 @@ import pytest
 
 from megatron.training_ext import loss_log
 from tests.functional_tests import slurm_harness
-from tests.functional_tests.launch import REPO, device
+from tests.functional_tests.launch import FAULTS_ENTRY, REPO, device
 from tests.helpers.dist import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -109,6 +109,7 @@ def test_sbatch_restarts_and_falls_back_to_persistent_after_bad_local_tier(slurm
         # attempt 2 finds the markers and loads persistent 3.
         "MEGATRON_TEST_FAULT": f"rank=1,iteration=4,wipe_local=1,once={tmp_path / 'fault.done'}",
         "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD": "6",
+        "TRAINING_SCRIPT": str(FAULTS_ENTRY),  # pretrain_gpt.py plus the fault hooks
     }
     rc, output = _submit(slurm, tmp_path, env)
     assert rc == 0, f"job failed ({rc}):\n{output[-8000:]}"

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training_ext.fault_injection import flip_byte_in_largest_storage
+from tests.functional_tests.fault_injection import flip_byte_in_largest_storage
 from tests.helpers.dist import run_distributed
 
 import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)

@@ -1,72 +1,22 @@
-"""Deterministic, test-only fault injection for the training loop (functional tests of the local
-checkpoint tier: ``tests/functional_tests/test_ft_restart.py``).
+"""Deterministic, test-only fault injection for the training loop (functional tests of the local and
+persistent checkpoint tiers). Only the test entrypoint
+``tests/functional_tests/pretrain_gpt_faults.py`` installs it (:func:`install_from_env`, after this
+fork's training hooks); ``pretrain_gpt.py`` never does.
 
-Nothing here is active unless one of these environment variables is set (``install_from_env`` is a
-no-op otherwise); never set them in production.
+Environment variables (none set: nothing is installed):
 
-``MEGATRON_TEST_FAULT="rank=R,iteration=K[,wipe_local=1][,corrupt=PATH][,once=PATH]"``
-    When global rank ``R`` is about to run iteration ``K + 1`` (so iteration ``K`` and every
-    checkpoint saved at ``K`` are complete), it
+* ``MEGATRON_TEST_FAULT``: a rank crashes before an iteration (:func:`parse_fault`);
+* ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD=K``: NaN weights after a local-tier resume, and
+  ``MEGATRON_TEST_ABORT_ASYNC_SAVE=K``: abort async checkpointing (:func:`install_from_env`);
+* ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``: ``SIGKILL`` during a local save
+  (:func:`parse_local_save_kill`, :func:`install_local_save_kill`).
 
-    * ``wipe_local=1``: deletes its own local checkpoint directory
-      (``<--non-persistent-local-ckpt-dir>/<rank>``): the node's local storage is lost;
-    * ``corrupt=PATH``: flips one byte in the middle of the largest tensor storage of the
-      ``torch.save`` file ``PATH`` (a storage fault that only a content checksum can notice:
-      ``torch.load`` does not check the zip CRC);
-    * then leaves with ``os._exit(1)``, like a crashed process.
-
-    ``once=PATH``: the fault fires only if ``PATH`` does not exist, and creates it (an in-job
-    restart runs iteration ``K + 1`` again; without it the fault would fire on every restart).
-
-``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD=K``
-    In a process that resumed from the local checkpoint tier (:mod:`local_tier` validated it),
-    every rank fills its model's first parameter with NaN just before iteration ``K`` runs: a
-    local tier whose values pass every check but make training diverge.
-
-Both wrap ``megatron.training.training.train_step`` (outside :mod:`local_tier`'s wrapper).
-
-``MEGATRON_TEST_ABORT_ASYNC_SAVE=K``
-    With ``--async-save``: when every rank is about to run iteration ``K + 1`` (the async save of
-    ``K`` scheduled, not yet finalised), each rank waits until its checkpoint worker has posted the
-    write results of that save, then calls upstream's abort of async checkpointing,
-    ``megatron.training.async_utils.reset_persistent_async_worker`` (what upstream's in-process
-    restart calls, ``AbortCheckpoint``): the save of ``K`` is never finalised and training goes on.
-    Wraps ``train_step`` too.
-
-``MEGATRON_TEST_KILL_IN_LOCAL_SAVE="rank=R,iteration=K,moment=M[,fraction=F][,once=PATH]"``
-    Global rank ``R`` kills itself with ``SIGKILL`` (like ``kill -9``: no handler, no flush, no
-    ``finally``) during its local (non-persistent, NVRx ``LocalCheckpointManager``) save of
-    iteration ``K``, at moment ``M``:
-
-    * ``replicate``: at the start of ``save()``, before the replication exchange and before any
-      file of ``K`` is written (the other ranks of its clique wait for it in the exchange);
-    * ``write``: while the first file this rank writes for ``K`` (a ``*.dirty.pt``, its own shard
-      or a replica, whichever ``_save`` gets first) is being written: the file holds exactly the
-      first ``int(F * size)`` bytes (at least 1, at most ``size - 1``) of what ``torch.save``
-      would have written, then the process dies. ``fraction=F``, 0 < F < 1, default 0.5; only
-      valid with ``moment=write``. The state dict is serialized to memory first (to know its
-      size), then that prefix goes through the file object (or path) ``torch.save`` was given;
-    * ``rename``: right after this rank's first ``*.dirty.pt -> *.pt`` rename of ``K`` (``os.rename``
-      / ``os.replace``, which ``Path.rename`` / ``Path.replace`` use): with replication some files
-      of ``K`` are final, the others missing or dirty. Should ``_save`` rename in another way, the
-      kill happens when that first ``_save`` returns (the ``[fault-injection]`` line says so);
-    * ``cleanup``: at the start of ``_cleanup(K)``: every file of ``K`` is complete on every rank
-      (upstream calls it after ``find_latest`` saw ``K`` everywhere), older ones not yet removed.
-
-    ``once=PATH``: as for ``MEGATRON_TEST_FAULT`` (fires only if ``PATH`` does not exist, and
-    creates it before killing).
-
-    Hook: whatever class ``nvidia_resiliency_ext...local_manager.LocalCheckpointManager`` is at
-    the moment of install (NVRx's own, or a subclass the local tier put there) is subclassed once
-    more and the subclass replaces it in that module (``pretrain()`` imports the class by name when
-    it builds the manager); methods ``save``, ``_save``, ``_cleanup``. ``write`` and ``rename`` act in
-    the process that runs ``_save``: the training process for synchronous local saves (without
-    ``--async-save``, or with an async worker forked after install).
+Every replacement goes through :mod:`megatron.fixes.registry` (owner ``fault_injection``);
+:func:`uninstall` restores them. Messages are printed as ``[fault-injection] ...`` lines.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import io
 import os
@@ -78,6 +28,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.training_ext.console import write_line
 
 ENV_FAULT = "MEGATRON_TEST_FAULT"
@@ -88,11 +39,22 @@ ENV_ABORT_ASYNC = "MEGATRON_TEST_ABORT_ASYNC_SAVE"
 LOCAL_SAVE_MOMENTS = ("replicate", "write", "rename", "cleanup")
 DEFAULT_WRITE_FRACTION = 0.5
 
+#: The hooks installed in this process: ``train_step``, ``abort_async``, ``local_manager`` -> the
+#: attribute each replaced.
 _installed: dict = {}
+_PATCHER = Patcher("fault_injection")
 
 
 def parse_fault(spec: str) -> dict:
-    """Parse ``MEGATRON_TEST_FAULT``.
+    """Parse ``MEGATRON_TEST_FAULT="rank=R,iteration=K[,wipe_local=1][,corrupt=PATH][,once=PATH]"``.
+
+    When global rank ``R`` is about to run iteration ``K + 1`` (iteration ``K`` and every
+    checkpoint saved at ``K`` are complete), it deletes its own local checkpoint directory
+    (``wipe_local=1``: ``<--non-persistent-local-ckpt-dir>/<rank>``, the node's local storage is
+    lost), flips one byte of the ``torch.save`` file ``PATH`` (``corrupt=PATH``, see
+    :func:`flip_byte_in_largest_storage`), then leaves with ``os._exit(1)``, like a crashed process.
+    ``once=PATH``: the fault fires only if ``PATH`` does not exist, and creates it (an in-job
+    restart runs iteration ``K + 1`` again; without it the fault would fire on every restart).
 
     Returns:
         dict with int ``rank``, ``iteration``, bool ``wipe_local``, optional str ``corrupt``,
@@ -113,14 +75,23 @@ def parse_fault(spec: str) -> dict:
         elif key in ("corrupt", "once"):
             out[key] = value
         else:
-            raise ValueError(f"{ENV_FAULT}: unknown key '{key}' (rank, iteration, wipe_local, corrupt, once)")
+            raise ValueError(f"{ENV_FAULT}: unknown key '{key}' "
+                             "(rank, iteration, wipe_local, corrupt, once)")
     if "rank" not in out or "iteration" not in out:
         raise ValueError(f"{ENV_FAULT}: rank= and iteration= are required, got '{spec}'")
     return out
 
 
 def parse_local_save_kill(spec: str) -> dict:
-    """Parse ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``.
+    """Parse ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``:
+    ``"rank=R,iteration=K,moment=M[,fraction=F][,once=PATH]"``.
+
+    Global rank ``R`` kills itself with ``SIGKILL`` (like ``kill -9``: no handler, no flush, no
+    ``finally``) during its local (NVRx ``LocalCheckpointManager``) save of iteration ``K``, at
+    moment ``M`` (one of :data:`LOCAL_SAVE_MOMENTS`; what each leaves behind:
+    :func:`install_local_save_kill`). ``fraction=F`` (0 < F < 1, default
+    :data:`DEFAULT_WRITE_FRACTION`) applies only to ``moment=write``. ``once=PATH``: as for
+    :func:`parse_fault` (fires only if ``PATH`` does not exist, and creates it before killing).
 
     Returns:
         dict with int ``rank``, ``iteration``, str ``moment`` (one of :data:`LOCAL_SAVE_MOMENTS`),
@@ -129,9 +100,9 @@ def parse_local_save_kill(spec: str) -> dict:
 
     Raises:
         ValueError: a part that is not key=value, an unknown or repeated key, missing ``rank``,
-            ``iteration`` or ``moment``, a non-integer rank/iteration (or a negative one), an unknown
-            moment, a fraction that is not a number strictly between 0 and 1, or a fraction with a
-            moment other than ``write``.
+            ``iteration`` or ``moment``, a non-integer rank/iteration (or a negative one), an
+            unknown moment, a fraction that is not a number strictly between 0 and 1, or a
+            fraction with a moment other than ``write``.
     """
     name = ENV_KILL_LOCAL_SAVE
     out: dict = {}
@@ -141,7 +112,8 @@ def parse_local_save_kill(spec: str) -> dict:
         if not sep:
             raise ValueError(f"{name}: '{part}' is not key=value")
         if key not in ("rank", "iteration", "moment", "fraction", "once"):
-            raise ValueError(f"{name}: unknown key '{key}' (rank, iteration, moment, fraction, once)")
+            raise ValueError(f"{name}: unknown key '{key}' "
+                             "(rank, iteration, moment, fraction, once)")
         if key in out:
             raise ValueError(f"{name}: '{key}' given twice in '{spec}'")
         if key in ("rank", "iteration"):
@@ -153,7 +125,8 @@ def parse_local_save_kill(spec: str) -> dict:
                 raise ValueError(f"{name}: {key}={value} must be >= 0")
         elif key == "moment":
             if value not in LOCAL_SAVE_MOMENTS:
-                raise ValueError(f"{name}: unknown moment '{value}' (one of {', '.join(LOCAL_SAVE_MOMENTS)})")
+                raise ValueError(f"{name}: unknown moment '{value}' "
+                                 f"(one of {', '.join(LOCAL_SAVE_MOMENTS)})")
             out[key] = value
         elif key == "fraction":
             try:
@@ -171,7 +144,8 @@ def parse_local_save_kill(spec: str) -> dict:
     if missing:
         raise ValueError(f"{name}: {', '.join(k + '=' for k in missing)} required, got '{spec}'")
     if "fraction" in out and out["moment"] != "write":
-        raise ValueError(f"{name}: fraction= applies only to moment=write (got moment={out['moment']})")
+        raise ValueError(f"{name}: fraction= applies only to moment=write "
+                         f"(got moment={out['moment']})")
     if out["moment"] == "write":
         out.setdefault("fraction", DEFAULT_WRITE_FRACTION)
     else:
@@ -181,7 +155,9 @@ def parse_local_save_kill(spec: str) -> dict:
 
 
 def flip_byte_in_largest_storage(path: str) -> int:
-    """Flip one bit of the middle byte of the largest tensor storage in a ``torch.save`` zip file.
+    """Flip one bit of the middle byte of the largest tensor storage in a ``torch.save`` zip file
+    (a storage fault that only a content checksum can notice: ``torch.load`` does not check the
+    zip CRC).
 
     Returns:
         The file offset of the flipped byte.
@@ -213,10 +189,26 @@ def _say(message: str) -> None:
 def install_from_env(args) -> None:
     """Install the hooks whose variables are set; idempotent; no-op when none is set.
 
+    ``MEGATRON_TEST_FAULT`` (:func:`parse_fault`) and ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD=K``
+    wrap ``megatron.training.training.train_step`` (outside the local tier's wrapper). With the
+    latter, in a process that resumed from the local checkpoint tier (the local tier validated
+    it), every rank fills its model's first parameter with NaN just before iteration ``K`` runs: a
+    local tier whose values pass every check but make training diverge.
+
+    ``MEGATRON_TEST_ABORT_ASYNC_SAVE=K`` (needs ``--async-save``) wraps ``train_step`` too: when
+    every rank is about to run iteration ``K + 1`` (the async save of ``K`` scheduled, not yet
+    finalised), each rank waits until its checkpoint worker has posted the write results of that
+    save, then calls upstream's abort of async checkpointing,
+    ``megatron.training.async_utils.reset_persistent_async_worker`` (what upstream's in-process
+    restart calls, ``AbortCheckpoint``): the save of ``K`` is never finalised; training goes on.
+
+    ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``: :func:`install_local_save_kill`.
+
     Raises:
-        ValueError: ``MEGATRON_TEST_FAULT``, ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD`` or
-            ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` is malformed (every rank, before training; nothing
-            is installed then).
+        ValueError: (every rank, before training) ``MEGATRON_TEST_FAULT``,
+            ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD`` or ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` is
+            malformed (nothing is installed then), or ``MEGATRON_TEST_ABORT_ASYNC_SAVE`` is not an
+            iteration number or is set without ``--async-save`` (checked after the others).
     """
     fault_spec, nan_spec = os.environ.get(ENV_FAULT), os.environ.get(ENV_NAN)
     kill_spec = os.environ.get(ENV_KILL_LOCAL_SAVE)
@@ -236,19 +228,9 @@ def install_from_env(args) -> None:
 
 
 def uninstall() -> None:
-    """Undo every installed hook (tests)."""
-    if "train_step" in _installed:
-        import megatron.training.training as training
-
-        training.train_step = _installed.pop("train_step")
-    if "abort_async" in _installed:
-        import megatron.training.training as training
-
-        training.train_step = _installed.pop("abort_async")
-    if "local_manager" in _installed:
-        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
-
-        local_manager.LocalCheckpointManager = _installed.pop("local_manager")
+    """Undo every installed hook (the registry restores what each replaced)."""
+    _PATCHER.restore()
+    _installed.clear()
     _kill_state.clear()
 
 
@@ -264,8 +246,10 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
     upstream = training.train_step
     sig = inspect.signature(upstream)
 
-    @functools.wraps(upstream)
-    def train_step(*a, **kw):
+    @wraps_upstream(upstream)
+    def train_step_with_faults(*a, **kw):
+        """Test-only: ``train_step``, after the crash or NaN that ``MEGATRON_TEST_FAULT`` /
+        ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD`` schedule for this iteration."""
         bound = sig.bind(*a, **kw).arguments
         iteration = bound.get("iteration")
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -276,7 +260,8 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
                     Path(once).touch()
                 if fault["wipe_local"] and local_root:
                     shutil.rmtree(os.path.join(local_root, str(rank)), ignore_errors=True)
-                    _say(f"rank {rank}: deleted its local checkpoint directory {local_root}/{rank}")
+                    _say(f"rank {rank}: deleted its local checkpoint directory "
+                         f"{local_root}/{rank}")
                 if fault["corrupt"]:
                     pos = flip_byte_in_largest_storage(fault["corrupt"])
                     _say(f"rank {rank}: flipped a byte at offset {pos} of {fault['corrupt']}")
@@ -290,11 +275,14 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
             with torch.no_grad():
                 p = next(model[0].parameters())
                 p.data.fill_(float("nan"))
-            _say(f"rank {rank}: filled a parameter with NaN before iteration {nan_at} (resumed from "
-                 f"local iteration {local_tier.loaded_local_iteration()})")
+            _say(f"rank {rank}: filled a parameter with NaN before iteration {nan_at} (resumed "
+                 f"from local iteration {local_tier.loaded_local_iteration()})")
         return upstream(*a, **kw)
 
-    training.train_step = train_step
+    _PATCHER.replace(training, "train_step", train_step_with_faults,
+                     "test-only: crash a chosen rank before a chosen iteration "
+                     f"({ENV_FAULT}) or fill a parameter with NaN after a local-tier resume "
+                     f"({ENV_NAN}).")
     _installed["train_step"] = upstream
 
 
@@ -310,27 +298,34 @@ def _install_async_abort(at: int, strategy: str, timeout: float = 300.0) -> None
     sig = inspect.signature(upstream)
     fs_module = sys.modules[get_async_strategy(strategy)[1]["FileSystemWriterAsync"].__module__]
 
-    @functools.wraps(upstream)
-    def train_step(*a, **kw):
+    @wraps_upstream(upstream)
+    def train_step_with_async_abort(*a, **kw):
+        """Test-only: ``train_step``, after aborting async checkpointing before iteration
+        ``MEGATRON_TEST_ABORT_ASYNC_SAVE + 1``."""
         if sig.bind(*a, **kw).arguments.get("iteration") == at:
             from megatron.training import async_utils  # through the module: the fixes patch it
 
             rank = dist.get_rank()
             pending = async_utils._async_calls_queue.get_num_unfinalized_calls()
             deadline = time.monotonic() + timeout
-            while pending and (fs_module._results_queue is None or fs_module._results_queue.qsize() < 1):
+            while pending and (fs_module._results_queue is None
+                               or fs_module._results_queue.qsize() < 1):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{ENV_ABORT_ASYNC}: the worker posted no write results "
                                        f"of the save of iteration {at} within {timeout:.0f} s")
                 time.sleep(0.05)
-            posted = fs_module._results_queue.qsize() if fs_module._results_queue is not None else 0
+            queue = fs_module._results_queue
+            posted = queue.qsize() if queue is not None else 0
             dist.barrier()
             async_utils.reset_persistent_async_worker(strategy)
             _say(f"rank {rank}: aborted async checkpointing before iteration {at + 1}: "
                  f"{pending} save(s) not finalised, {posted} write result(s) posted by the worker")
         return upstream(*a, **kw)
 
-    training.train_step = train_step
+    _PATCHER.replace(training, "train_step", train_step_with_async_abort,
+                     "test-only: abort async checkpointing with upstream's "
+                     "reset_persistent_async_worker after the worker wrote a save and before it "
+                     f"is finalised ({ENV_ABORT_ASYNC}).")
     _installed["abort_async"] = upstream
 
 
@@ -377,9 +372,26 @@ def _is_dirty_target(f) -> Optional[str]:
 
 
 def install_local_save_kill(kill: dict) -> type:
-    """Replace ``local_manager.LocalCheckpointManager`` (whatever class it is now) by a subclass
-    that kills rank ``kill['rank']`` at ``kill['moment']`` of its local save of
-    ``kill['iteration']`` (see the module docstring). Returns the new class."""
+    """Replace ``local_manager.LocalCheckpointManager`` (whatever class it is now: NVRx's own, or
+    the local tier's subclass) by a subclass that kills rank ``kill['rank']`` at
+    ``kill['moment']`` of its local save of ``kill['iteration']`` (:func:`parse_local_save_kill`).
+    ``pretrain()`` imports the class by name when it builds the manager. Moments:
+
+    * ``replicate``: start of ``save()``, before the replication exchange and before any file of
+      ``K`` is written (the other ranks of its clique wait for it in the exchange);
+    * ``write``: while the first file this rank writes for ``K`` (a ``*.dirty.pt``: its own shard
+      or a replica, whichever ``_save`` gets first) is written, it holds exactly the first
+      ``int(F * size)`` bytes (at least 1, at most ``size - 1``) of what ``torch.save`` would have
+      written (serialized to memory first, then that prefix goes through the file object or path
+      ``torch.save`` was given);
+    * ``rename``: right after this rank's first ``*.dirty.pt -> *.pt`` rename of ``K``
+      (``os.rename`` / ``os.replace``, which ``Path.rename`` / ``Path.replace`` use); should
+      ``_save`` rename in another way, the kill happens when that first ``_save`` returns;
+    * ``cleanup``: start of ``_cleanup(K)``: every file of ``K`` complete on every rank, older
+      ones not removed yet.
+
+    ``write`` and ``rename`` act in the process that runs ``_save`` (the training process for
+    synchronous local saves). Returns the new class."""
     import torch
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
 
@@ -393,7 +405,7 @@ def install_local_save_kill(kill: dict) -> type:
         return iteration == iter_k and _rank() == rank_k
 
     class FaultInjectingLocalCheckpointManager(base):
-        """Test-only (:mod:`megatron.training_ext.fault_injection`): ``SIGKILL`` at a moment of
+        """Test-only (:mod:`tests.functional_tests.fault_injection`): ``SIGKILL`` at a moment of
         one local save."""
 
         def save(self, state_dict, iteration, *a, **kw):
@@ -416,7 +428,10 @@ def install_local_save_kill(kill: dict) -> type:
         def _save_killed_mid_write(self, state_dict, ckpt_id, *a, **kw):
             upstream_save = torch.save
 
-            def partial_save(obj, f, *sa, **skw):
+            @wraps_upstream(upstream_save)
+            def torch_save_prefix_then_kill(obj, f, *sa, **skw):
+                """Test-only: ``torch.save``; into a ``.dirty`` file only a prefix, then
+                ``SIGKILL``."""
                 path = _is_dirty_target(f)
                 if path is None:
                     return upstream_save(obj, f, *sa, **skw)
@@ -430,35 +445,46 @@ def install_local_save_kill(kill: dict) -> type:
                 else:
                     f.write(data[:n])
                     f.flush()
-                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: {n} of {len(data)} bytes "
-                         f"(fraction {kill['fraction']}) of {path} written)")
+                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: {n} of {len(data)} "
+                         f"bytes (fraction {kill['fraction']}) of {path} written)")
 
-            torch.save = partial_save
+            during = Patcher("fault_injection")
+            during.replace(torch, "save", torch_save_prefix_then_kill,
+                           "test-only: the local save writes only a prefix of its first "
+                           f".dirty.pt file, then the rank is killed ({ENV_KILL_LOCAL_SAVE}, "
+                           "moment write).")
             try:
                 result = super()._save(state_dict, ckpt_id, *a, **kw)
             finally:
-                torch.save = upstream_save
-            _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: _save of {ckpt_id} wrote no "
-                     f".dirty file through torch.save; killed after it returned)")
+                during.restore()
+            _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: _save of {ckpt_id} wrote "
+                     f"no .dirty file through torch.save; killed after it returned)")
             return result  # pragma: no cover
 
         def _save_killed_after_rename(self, state_dict, ckpt_id, *a, **kw):
             originals = {"rename": os.rename, "replace": os.replace}
 
             def after(name):
-                def renamed(src, dst, *ra, **rkw):
+                @wraps_upstream(originals[name])
+                def rename_then_kill(src, dst, *ra, **rkw):
+                    """Test-only: ``os.rename`` / ``os.replace``; ``SIGKILL`` right after a
+                    ``.dirty`` -> final rename."""
                     result = originals[name](src, dst, *ra, **rkw)
                     if ".dirty" in Path(src).name and ".dirty" not in Path(dst).name:
                         _sigkill(f"rank {_rank()}: SIGKILL {where} (moment rename: right after "
                                  f"{os.fspath(src)} -> {os.fspath(dst)})")
                     return result
-                return renamed
+                return rename_then_kill
 
-            os.rename, os.replace = after("rename"), after("replace")
+            during = Patcher("fault_injection")
+            for name in originals:
+                during.replace(os, name, after(name),
+                               "test-only: the rank is killed right after the local save's first "
+                               f".dirty.pt -> .pt rename ({ENV_KILL_LOCAL_SAVE}, moment rename).")
             try:
                 result = super()._save(state_dict, ckpt_id, *a, **kw)
             finally:
-                os.rename, os.replace = originals["rename"], originals["replace"]
+                during.restore()
             _sigkill(f"rank {_rank()}: SIGKILL {where} (moment rename: _save of {ckpt_id} made no "
                      f".dirty -> final rename; killed after it returned)")
             return result  # pragma: no cover
@@ -470,6 +496,8 @@ def install_local_save_kill(kill: dict) -> type:
             return super()._cleanup(iteration, *a, **kw)
 
     FaultInjectingLocalCheckpointManager.__qualname__ = f"FaultInjecting[{base.__qualname__}]"
-    local_manager.LocalCheckpointManager = FaultInjectingLocalCheckpointManager
+    _PATCHER.replace(local_manager, "LocalCheckpointManager", FaultInjectingLocalCheckpointManager,
+                     f"test-only: SIGKILL a chosen rank at a chosen moment of its local save "
+                     f"({ENV_KILL_LOCAL_SAVE}).")
     _installed["local_manager"] = base
     return FaultInjectingLocalCheckpointManager
