@@ -3,45 +3,9 @@ results, the report, its JSON form and its text tables.
 
 Everything in a :class:`VerifyReport` except its ``timing`` section is deterministic: the same
 checkpoint verified by one process or by N processes gives the same dictionary from
-:meth:`VerifyReport.to_dict` ``(include_timing=False)``.
-
-JSON report (``VerifyReport.to_dict()``, written by ``tools/verify_checkpoint.py --json PATH``)::
-
-    {
-      "format": "megatron.integrity.verify_report", "version": 1,
-      "mode": "local+persistent" | "persistent" | "local",
-      "ok": true | false,                      # no problem found (warnings do not count)
-      "local_dir": str | null, "persistent_dir": str | null,
-      "iteration": int | null,                 # the iteration verified (local alone: the newest local one)
-      "iterations": [int, ...],                # the local iterations whose files were checked ([] for
-                                               # persistent alone; local alone without --iteration: all)
-      "newest_complete_iteration": int | null, # local modes: the newest checked iteration that is complete
-                                               # and consistent (see below); null: none is, or persistent alone
-      "local_iterations": [                    # local modes: one entry per checked iteration, ascending
-        {"iteration": int, "owners": int, "files": int,
-         "complete": bool,                     # every owner rank 0..N-1 has a copy that verifies
-         "consistent": bool,                   # all copies of each shard agree; all shards from one save
-         "reasons": [str, ...],                # why not complete / consistent ([] when both)
-         "shards": [{"owner_rank": int, "copies": [rel, ...], "usable": [rel, ...], "consistent": bool}, ...]},
-        ...] | null,
-      "summary": {...},                        # VerifyReport.summary(): counts and bytes
-      "mismatch_table": [...],                 # VerifyReport.mismatch_rows(): one row per key
-      "problems": [Problem.to_dict(), ...],    # every finding that makes ``ok`` false
-      "warnings": [Problem.to_dict(), ...],    # findings that do not (no checksum record, ...)
-      "files": [FileResult.to_dict(), ...],    # one per local file / persistent data file
-      "manifest": {...} | null,                # megatron-core integrity.json verification
-      "timing": {"wall_s": float, "workers": int, "bytes_read": int, "file_bytes": int, "gb_per_s": float}
-    }
-
-Local iterations. ``N`` (owners) is the run's world size stored in the files' ``args``, else the highest
-owner rank seen in any checked iteration + 1. A copy *verifies* when it loads, holds plain tensors
-whose bytes match its own checksum record (files written without a record count, with a
-``no_checksum_record`` warning) and names its iteration and owner consistently (file name, common
-state, identity record). Copies of a shard *agree* when they hold the same tensors (key, global
-offset, dtype, shape and checksum: the stored one, or the one computed from the bytes for files
-without a record) and identical identity records (:mod:`megatron.integrity.local_identity`; run id,
-save token, iteration, owner, run settings, topology, host). A copy whose bytes fail its checksums is
-a ``checksum_mismatch`` and does not verify, but its stored record still agrees with intact copies.
+:meth:`VerifyReport.to_dict` ``(include_timing=False)``. The JSON schema (``format``
+``megatron.integrity.verify_report``, version 1) and the rules for complete and consistent local
+iterations: ``docs/verify.md``.
 """
 
 from __future__ import annotations
