@@ -27,8 +27,8 @@ DEFAULT_DIRECT_MIN_FRACTION = 4
 """By default tensors of at least ``bucket_bytes // 4`` bytes are sent from their own memory
 (no staging copy); smaller ones are packed."""
 DIRECT_CHUNK_BYTES = 32 * 1024 * 1024
-"""Largest message of a tensor sent from its own memory (never below ``bucket_bytes``; a
-strategy's ``direct_chunk_bytes`` overrides it). Smaller chunks made replicate slower than
+"""Largest message of a tensor sent from its own memory (never below ``bucket_bytes``; read when
+``replicate`` starts). Smaller chunks made replicate slower than
 upstream's one broadcast per tensor on gloo (docs/benchmarks.md). A receiver lands such a tensor
 in a buffer of its own, so the message size costs no staging memory."""
 DEFAULT_PIPELINE_DEPTH = 2
@@ -63,8 +63,7 @@ def transport_params(strategy: Any, device: torch.device) -> TransportParams:
     if direct_min is None:
         direct_min = max(1, bucket // DEFAULT_DIRECT_MIN_FRACTION)
     depth = max(1, int(getattr(strategy, "pipeline_depth", DEFAULT_PIPELINE_DEPTH)))
-    chunk = getattr(strategy, "direct_chunk_bytes", None) or DIRECT_CHUNK_BYTES
-    return TransportParams(int(bucket), int(min(direct_min, bucket)), depth, int(chunk))
+    return TransportParams(int(bucket), int(min(direct_min, bucket)), depth, DIRECT_CHUNK_BYTES)
 
 
 def comm_device(group_wrapper: Any) -> torch.device:

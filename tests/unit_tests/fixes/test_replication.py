@@ -300,7 +300,7 @@ class _DeferredWork:
 def _fixed_buckets(rank, root, algorithm="xxh3_64"):
     """Small bucket/direct thresholds so one save uses packed buckets, direct chunks and tensors
     split across several messages; pipeline depth 3."""
-    from megatron.fixes.replication import FixedCliqueReplicationStrategy
+    from megatron.fixes.replication import FixedCliqueReplicationStrategy, plan
 
     g = torch.Generator().manual_seed(7 + rank)
     sizes = [3, 40, 1, 200, 17, 64, 5] + [int(n) for n in torch.randint(1, 24, (40,), generator=torch.Generator().manual_seed(3))]
@@ -309,9 +309,12 @@ def _fixed_buckets(rank, root, algorithm="xxh3_64"):
     all_expected = _gather_expected(tensors)
     strategy = FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
     strategy.bucket_bytes, strategy.direct_min_bytes, strategy.pipeline_depth = 96, 64, 3
-    strategy.direct_chunk_bytes = 96  # tensors of up to 800 bytes travel in several chunks
     strategy.checksum_algorithm = algorithm
-    _manager(root, strategy).save(_tasd(rank, tensors), ITER)
+    real_chunk, plan.DIRECT_CHUNK_BYTES = plan.DIRECT_CHUNK_BYTES, 96  # tensors of up to 800 bytes
+    try:  # travel in several chunks
+        _manager(root, strategy).save(_tasd(rank, tensors), ITER)
+    finally:
+        plan.DIRECT_CHUNK_BYTES = real_chunk
     _barrier()
     _check_files_against(root, all_expected, f"tiny buckets, {algorithm}", algorithm)
 
