@@ -10,7 +10,8 @@ Usage::
 
 A failure on any rank fails the test with that rank's traceback. ``body`` runs with
 ``torch.distributed`` initialised (backend gloo) and is torn down afterwards. A rank whose body
-passed leaves through ``os._exit(0)`` after a barrier and ``destroy_process_group()``: gloo's
+passed leaves through ``os._exit(0)`` after ``destroy_process_group()`` (no barrier: a guard
+scenario may leave a peer inside a collective that fails only once this process ends): gloo's
 threads can otherwise abort the process during interpreter finalization (``terminate called
 without an active exception``, exit code -6), which is torch's teardown, not the body's result.
 """
@@ -47,7 +48,6 @@ def _worker(rank, world_size, port, fn, args, errors):
         except Exception:
             pass
         raise
-    dist.barrier()  # every body passed: no collective is left in flight when groups go
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
