@@ -141,8 +141,8 @@ def main(argv=None) -> int:
                 mmap=not args.no_mmap, readahead=not args.no_readahead, torch_threads=args.threads,
                 progress=not args.no_progress and sys.stderr.isatty(),
             )
-            report = verify_checkpoint(args.local_dir, args.persistent_dir, iteration=args.iteration,
-                                       options=options, group=group)
+            report = verify_checkpoint(args.local_dir, args.persistent_dir,
+                                       iteration=args.iteration, options=options, group=group)
         except CheckpointInputError as e:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Which checkpoint files the verifier checks: the local files under a root
-(:func:`discover_local`; names from :mod:`megatron.integrity.local_layout`) and the iteration
-verified (:func:`choose_iteration`).
+(:func:`discover_local`; names from :mod:`megatron.integrity.local_layout`), the iteration
+verified (:func:`choose_iteration`) and what is verified (:class:`Plan`).
 
 Raises :class:`~megatron.integrity.persistent.CheckpointInputError` for input it cannot verify and
 :class:`IterationMismatchError` when the local and persistent checkpoints are of other iterations.
@@ -21,15 +21,21 @@ from megatron.integrity.local_layout import (
     is_unfinished,
     parse_local_name,
 )
-from megatron.integrity.persistent import CheckpointInputError, resolve_persistent_dir
+from megatron.integrity.persistent import (
+    CheckpointInputError,
+    PersistentCheckpoint,
+    resolve_persistent_dir,
+)
 
 __all__ = [
     "IterationMismatchError",
     "LocalFile",
     "LocalLayout",
+    "Plan",
     "choose_iteration",
     "discover_local",
     "holder_of",
+    "require_local_files",
     "where",
 ]
 
@@ -245,3 +251,25 @@ def choose_iteration(layout: Optional[LocalLayout],
     if iteration is None and layout is not None and layout.iterations:
         iteration = layout.iterations[-1]
     return iteration, p_dir
+
+
+@dataclass
+class Plan:
+    """What is verified (the same on every rank), and this rank's share of it."""
+
+    layout: Optional[LocalLayout]
+    pc: Optional[PersistentCheckpoint]
+    manifest: Optional[dict]
+    iteration: Optional[int]
+    checked: List[int] = field(default_factory=list)  # local iterations checked
+    copies: List[LocalFile] = field(default_factory=list)  # every local file of those, any rank
+    my_local: List[LocalFile] = field(default_factory=list)
+    my_data_files: List[str] = field(default_factory=list)
+    my_manifest: List[str] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        """``"local+persistent"``, ``"local"`` or ``"persistent"``."""
+        if self.layout is not None and self.pc is not None:
+            return "local+persistent"
+        return "local" if self.layout else "persistent"

@@ -5,12 +5,12 @@ the local files, leftover warnings, and a suspect for each value mismatch."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron.integrity.persistent import INTEGRITY_FNAME, PersistentCheckpoint, check_chunk_cover
 from megatron.integrity.report import Problem, VerifyReport
 from megatron.integrity.verify.copies import local_iterations
-from megatron.integrity.verify.discovery import LocalFile, LocalLayout, holder_of
+from megatron.integrity.verify.discovery import LocalLayout, Plan, holder_of
 from megatron.integrity.verify.findings import CopyPrint, Findings
 
 __all__ = ["merge"]
@@ -114,18 +114,12 @@ def _suspects(report: VerifyReport, regions: _Regions) -> None:
         p.message += f" [suspect: {p.details['suspect']}]"
 
 
-def merge(parts: List[Findings], layout: Optional[LocalLayout], pc: Optional[PersistentCheckpoint],
-          mode: str, iteration: Optional[int], manifest: Optional[dict], verify_manifest: bool,
-          checked: Sequence[int] = (), copies: Sequence[LocalFile] = ()) -> VerifyReport:
-    """The report from every worker's findings.
-
-    Args:
-        checked: the local iterations whose files were checked.
-        copies: every local file of those iterations that some rank saw (whether or not it could
-            be checked).
-    """
-    report = VerifyReport(mode=mode, local_dir=str(layout.rank_root) if layout else None,
-                          persistent_dir=str(pc.path) if pc else None, iteration=iteration,
+def merge(parts: List[Findings], plan: Plan, verify_manifest: bool) -> VerifyReport:
+    """The report from every worker's findings on ``plan`` (its ``checked`` iterations and every
+    local file of those some rank saw, ``copies``, whether or not it could be checked)."""
+    layout, pc, checked = plan.layout, plan.pc, plan.checked
+    report = VerifyReport(mode=plan.mode, local_dir=str(layout.rank_root) if layout else None,
+                          persistent_dir=str(pc.path) if pc else None, iteration=plan.iteration,
                           iterations=list(checked))
     prints: Dict[str, CopyPrint] = {}
     for p in parts:
@@ -138,9 +132,9 @@ def merge(parts: List[Findings], layout: Optional[LocalLayout], pc: Optional[Per
     if pc is not None:
         report.problems += pc.check_metadata()
         if verify_manifest:
-            _manifest_verdict(report, parts, pc, manifest)
-    if layout is not None and copies:
-        local_iterations(report, list(checked), list(copies), prints, layout.dirty)
+            _manifest_verdict(report, parts, pc, plan.manifest)
+    if layout is not None and plan.copies:
+        local_iterations(report, list(checked), list(plan.copies), prints, layout.dirty)
     if layout is not None and pc is not None:
         _suspects(report, _coverage(report, parts, pc))
     report.sort()

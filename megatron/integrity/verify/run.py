@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Union
 
 import torch
@@ -20,7 +20,7 @@ from megatron.integrity.report import Problem, VerifyReport
 from megatron.integrity.verify.discovery import (
     IterationMismatchError,
     LocalFile,
-    LocalLayout,
+    Plan,
     choose_iteration,
     discover_local,
     require_local_files,
@@ -92,29 +92,8 @@ class _Ranks:
         raise cls(text if self.world == 1 else f"rank {first}: {text}", failures)
 
 
-@dataclass
-class _Plan:
-    """What is verified, and this rank's share of it."""
-
-    layout: Optional[LocalLayout]
-    pc: Optional[PersistentCheckpoint]
-    manifest: Optional[dict]
-    iteration: Optional[int]
-    checked: List[int] = field(default_factory=list)  # local iterations checked
-    copies: List[LocalFile] = field(default_factory=list)  # every local file of those, any rank
-    my_local: List[LocalFile] = field(default_factory=list)
-    my_data_files: List[str] = field(default_factory=list)
-    my_manifest: List[str] = field(default_factory=list)
-
-    @property
-    def mode(self) -> str:
-        if self.layout is not None and self.pc is not None:
-            return "local+persistent"
-        return "local" if self.layout else "persistent"
-
-
 def _open_inputs(local_dir: Optional[PathLike], persistent_dir: Optional[PathLike],
-                 iteration: Optional[int], opts: VerifyOptions, ranks: _Ranks) -> _Plan:
+                 iteration: Optional[int], opts: VerifyOptions, ranks: _Ranks) -> Plan:
     """Discover the local files and open the persistent checkpoint, every rank agreeing."""
     layout = ranks.agree(lambda: discover_local(local_dir) if local_dir is not None else None)
     if layout is not None and ranks.world > 1:
@@ -132,7 +111,7 @@ def _open_inputs(local_dir: Optional[PathLike], persistent_dir: Optional[PathLik
     chosen, pc, manifest = ranks.agree(open_persistent)
     if pc is not None and chosen is None:
         chosen = pc.iteration
-    plan = _Plan(layout, pc, manifest, chosen)
+    plan = Plan(layout, pc, manifest, chosen)
     # local alone without an iteration: every local iteration (to find the newest complete one)
     all_iterations = layout is not None and iteration is None and persistent_dir is None
     if layout is not None:
@@ -140,7 +119,7 @@ def _open_inputs(local_dir: Optional[PathLike], persistent_dir: Optional[PathLik
     return plan
 
 
-def _divide(plan: _Plan, ranks: _Ranks) -> None:
+def _divide(plan: Plan, ranks: _Ranks) -> None:
     """This rank's share: local files (those of one owner together where possible), persistent
     data files (persistent alone), manifest files."""
     layout, pc, rank, world = plan.layout, plan.pc, ranks.rank, ranks.world
@@ -162,7 +141,7 @@ def _divide(plan: _Plan, ranks: _Ranks) -> None:
         plan.my_manifest = sorted(assign(units, world)[rank])
 
 
-def _progress_bar(plan: _Plan, opts: VerifyOptions, ranks: _Ranks):
+def _progress_bar(plan: Plan, opts: VerifyOptions, ranks: _Ranks):
     if not (opts.progress and ranks.rank == 0):
         return None
     from tqdm import tqdm
@@ -182,7 +161,7 @@ def _verifier_error(part: Findings, lf: LocalFile) -> None:
                                  role=lf.role, iteration=lf.iteration))
 
 
-def _check_mine(plan: _Plan, opts: VerifyOptions, ranks: _Ranks) -> Findings:
+def _check_mine(plan: Plan, opts: VerifyOptions, ranks: _Ranks) -> Findings:
     """Every check of this rank's share; a check that fails unexpectedly is a
     ``verifier_error`` problem (never leaves the other ranks waiting)."""
     part, pc, my_local = Findings(), plan.pc, plan.my_local
@@ -279,8 +258,7 @@ def _verify(local_dir: Optional[PathLike], persistent_dir: Optional[PathLike],
     plan = _open_inputs(local_dir, persistent_dir, iteration, opts, ranks)
     _divide(plan, ranks)
     parts: List[Findings] = ranks.gather(_check_mine(plan, opts, ranks))
-    report = merge(parts, plan.layout, plan.pc, plan.mode, plan.iteration, plan.manifest,
-                   opts.verify_manifest, plan.checked, plan.copies)
+    report = merge(parts, plan, opts.verify_manifest)
     wall = time.perf_counter() - t0
     bytes_read = sum(p.bytes_read for p in parts)
     data_bytes = sum(f.file_bytes for f in report.files)

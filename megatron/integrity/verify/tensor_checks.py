@@ -30,13 +30,12 @@ if TYPE_CHECKING:
 __all__ = ["check_objects", "check_tensor"]
 
 
-def _entry(op: "OpenedLocal", i: int, key: str, offset: Optional[list], info: dict, at: str,
-           part: Findings) -> Optional[dict]:
-    """Tensor ``i``'s checksum record entry if it describes this tensor, else ``None`` (a
-    mismatching entry is a ``checksum_mismatch`` problem)."""
+def _entry(op: "OpenedLocal", i: int, info: dict, at: str, part: Findings) -> Optional[dict]:
+    """Tensor ``i``'s checksum record entry if it describes this tensor (``info``: its problem
+    fields), else ``None`` (a mismatching entry is a ``checksum_mismatch`` problem)."""
     if op.entries is None or i >= len(op.entries):
         return None
-    entry = op.entries[i]
+    entry, key, offset = op.entries[i], info["key"], info["global_offset"]
     if entry.get("key") != key or (offset is not None
                                    and entry.get("global_offset") not in (None, offset)):
         op.res.checksums_failed += 1
@@ -77,7 +76,7 @@ def check_tensor(op: "OpenedLocal", i: int, region: Union[torch.Tensor, str, Non
                 nbytes=t.numel() * t.element_size())
     at = f"'{key}'" + (f" at {offset}" if offset is not None else "")
     t = dense(t)
-    entry = _entry(op, i, key, offset, info, at, part)
+    entry = _entry(op, i, info, at, part)
     ref = None
     if isinstance(region, torch.Tensor):
         if region.dtype != t.dtype:
@@ -122,11 +121,13 @@ def check_tensor(op: "OpenedLocal", i: int, region: Union[torch.Tensor, str, Non
                                          details={"nan": nan, "inf": inf}))
     # 3. against the persistent checkpoint
     if ref is not None:
-        _compare(op, t, ref, equal, offset, prepend, info, at, part)
+        _compare(op, t, ref, equal, info, at, part)
 
 
 def _compare(op: "OpenedLocal", t: torch.Tensor, ref: torch.Tensor, equal: Optional[bool],
-             offset: Optional[list], prepend: int, info: dict, at: str, part: Findings) -> None:
+             info: dict, at: str, part: Findings) -> None:
+    """Count the comparison with the persistent region ``ref``; a ``value_mismatch`` problem
+    (where and how they differ) unless ``equal``."""
     res = op.res
     res.tensors_compared += 1
     res.bytes_compared += info["nbytes"]
@@ -134,7 +135,7 @@ def _compare(op: "OpenedLocal", t: torch.Tensor, ref: torch.Tensor, equal: Optio
         res.tensors_equal += 1
         return
     res.tensors_mismatched += 1
-    stats = diff_stats(t, ref, offset, prepend)
+    stats = diff_stats(t, ref, info["global_offset"], info["prepend_axis_num"])
     pnan, pinf = count_nonfinite(ref)
     stats["persistent_nan"], stats["persistent_inf"] = pnan, pinf
     msg = (f"{where(op.lf)}: {at} ({info['dtype']}{info['shape']}) differs from the persistent "
