@@ -21,12 +21,15 @@ if __name__ == "__main__":  # not in processes that re-import __main__ (multipro
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
-
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
     BlendedMegatronDatasetBuilder,
 )
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.datasets.gpt_dataset import (  # noqa: E402
+    GPTDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+)
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
@@ -46,6 +49,7 @@ from megatron.training.utils.common_utils import (  # noqa: E402
     get_blend_and_blend_per_split,
     is_first_or_last_pipeline_stage,
 )
+
 from megatron.training_ext import data_checks  # noqa: E402
 from megatron.training_ext.shutdown import run_then_destroy_process_groups  # noqa: E402
 
@@ -64,16 +68,22 @@ def get_batch(data_iterator, config, vp_stage=None):
         (attention_mask may be None), or all None on middle pipeline stages.
     """
     args = get_args()
-    mtp_here = mtp_on_this_rank(layout=config.pipeline_model_parallel_layout,
-                                mtp_num_layers=config.mtp_num_layers, ignore_virtual=False,
-                                vp_stage=vp_stage)
+    mtp_here = mtp_on_this_rank(
+        layout=config.pipeline_model_parallel_layout,
+        mtp_num_layers=config.mtp_num_layers,
+        ignore_virtual=False,
+        vp_stage=vp_stage,
+    )
     if not is_first_or_last_pipeline_stage(vp_stage) and not mtp_here:
         return (None,) * len(_BATCH_KEYS)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     batch = {}
     if tp_rank == 0:
         batch = next(data_iterator)
-        batch = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        batch = {
+            k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()
+        }
         batch.setdefault("attention_mask", None)
     batch = get_batch_on_this_tp_rank(
         batch,
@@ -88,11 +98,16 @@ def get_batch(data_iterator, config, vp_stage=None):
         seq_length=args.seq_length,
         mtp_on_this_rank=mtp_here,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        is_pipeline_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        ),
+        is_pipeline_last_stage=parallel_state.is_pipeline_last_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        ),
     )
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
-                                      cp_group=parallel_state.get_context_parallel_group())
+    batch = get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+    )
     return tuple(batch.get(k) for k in _BATCH_KEYS)
 
 
@@ -115,9 +130,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
     if args.check_for_nan_in_loss_and_grad:
         rsm = get_rerun_state_machine()
         for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
-            rsm.validate_result(result=loss, rejection_func=reject,
-                                message=f"found {what} in local forward loss calculation",
-                                tolerance=0.0, fatal=True)
+            rsm.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,
+                fatal=True,
+            )
     return loss, num_tokens, report
 
 
@@ -127,15 +146,19 @@ def forward_step(data_iterator, model):
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     config = get_attr_wrapped_model(model, "config")
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, config, vp_stage)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, config, vp_stage
+    )
     timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask, model=model)
 
 
 def is_dataset_built_on_rank(vp_stage=None):
-    return (is_first_or_last_pipeline_stage(vp_stage)
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    return (
+        is_first_or_last_pipeline_stage(vp_stage)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -158,10 +181,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     if not args.mock_data:  # token ids >= the vocabulary: refused now, not at the first such batch
-        data_checks.check_token_ids(data_checks.data_prefixes(blend, blend_per_split), args.padded_vocab_size)
+        data_checks.check_token_ids(
+            data_checks.data_prefixes(blend, blend_per_split), args.padded_vocab_size
+        )
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        dataset_type,
+        train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage),
         config,
     ).build()
     print_rank_0("> finished creating GPT datasets ...")
@@ -192,7 +219,9 @@ def main() -> None:
     # destroy the process groups once training is done (gloo can otherwise abort at exit):
     # megatron.training_ext.shutdown
     run_then_destroy_process_groups(
-        lambda: pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+        lambda: pretrain(
+            cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step
+        )
     )
 
 

@@ -15,5 +15,8 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "cluster" in item.keywords and not cluster:
-            item.add_marker(pytest.mark.skip(
-                reason="cluster-only (Transformer Engine / >= 2 GPUs): set MEGATRON_CLUSTER_TESTS=1 there"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="cluster-only (Transformer Engine / >= 2 GPUs): set MEGATRON_CLUSTER_TESTS=1 there"
+                )
+            )

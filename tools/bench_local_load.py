@@ -57,40 +57,66 @@ def _tasd(rank, world, count, nbytes):
 
     g = torch.Generator().manual_seed(rank)
     n = max(1, nbytes // 4 // count)
-    sd = {f"layer{i:04d}.weight": ShardedTensor.from_rank_offsets(
-        f"layer{i:04d}.weight", torch.randn(n, generator=g), (0, rank, world), prepend_axis_num=1)
-        for i in range(count)}
+    sd = {
+        f"layer{i:04d}.weight": ShardedTensor.from_rank_offsets(
+            f"layer{i:04d}.weight",
+            torch.randn(n, generator=g),
+            (0, rank, world),
+            prepend_axis_num=1,
+        )
+        for i in range(count)
+    }
     return MCoreTensorAwareStateDict.from_state_dict(sd, algo="fully_parallel")[0]
 
 
 def _worker(rank, world, port, args, root, out_q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     sys.path.insert(0, _REPO)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.fixes.replication import FIX as replication_fix
-    from megatron.training_ext import local_tier as lt
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
         LocalCheckpointManager,
     )
+
+    from megatron.fixes.replication import FIX as replication_fix
+    from megatron.training_ext import local_tier as lt
 
     replication_fix.apply()
     from nvidia_resiliency_ext.checkpointing.local.replication import strategies
 
     strategy = strategies.CliqueReplicationStrategy.from_replication_params(1, world)
-    lt.install(argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=True,
-                                  local_tier_nan_window=0, seed=1234, world_size=world))
+    lt.install(
+        argparse.Namespace(
+            non_persistent_ckpt_type="local",
+            local_tier_validation=True,
+            local_tier_nan_window=0,
+            seed=1234,
+            world_size=world,
+        )
+    )
     results = {}
     for name in args.configs:
         count, nbytes = CONFIGS[name]
         d = os.path.join(root, name)
-        lt.ValidatedLocalCheckpointManager(d, repl_strategy=strategy).save(_tasd(rank, world, count, nbytes), 1)
+        lt.ValidatedLocalCheckpointManager(d, repl_strategy=strategy).save(
+            _tasd(rank, world, count, nbytes), 1
+        )
         dist.barrier()
-        times = {"upstream": [], "validated": [], "identity+cross-check": [], "all_gather (incl. wait)": []}
+        times = {
+            "upstream": [],
+            "validated": [],
+            "identity+cross-check": [],
+            "all_gather (incl. wait)": [],
+        }
         for _ in range(args.reps):
             for variant in ("upstream", "validated"):
-                cls = LocalCheckpointManager if variant == "upstream" else lt.ValidatedLocalCheckpointManager
+                cls = (
+                    LocalCheckpointManager
+                    if variant == "upstream"
+                    else lt.ValidatedLocalCheckpointManager
+                )
                 m = cls(d, repl_strategy=strategy)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -124,7 +150,10 @@ def main(argv=None) -> int:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, root, q)) for r in range(args.world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, args.world, port, args, root, q))
+            for r in range(args.world)
+        ]
         for pr in procs:
             pr.start()
         results = q.get(timeout=3600)
@@ -132,16 +161,22 @@ def main(argv=None) -> int:
             pr.join()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"| config | variant | median [ms] | min [ms] |  (world {args.world}, {args.reps} interleaved reps)")
+    print(
+        f"| config | variant | median [ms] | min [ms] |  (world {args.world}, {args.reps} interleaved reps)"
+    )
     print("|---|---|---|---|")
     for name, times in results.items():
         for variant, ts in times.items():
             print(f"| {name} | {variant} | {statistics.median(ts):.1f} | {min(ts):.1f} |")
     print()
     for name, times in results.items():
-        up, va, idc = (statistics.median(times[k]) for k in ("upstream", "validated", "identity+cross-check"))
-        print(f"{name}: validated / upstream = {va / up:.2f}; identity+cross-check = "
-              f"{100 * idc / va:.1f}% of the validated load, {100 * idc / up:.1f}% of upstream's")
+        up, va, idc = (
+            statistics.median(times[k]) for k in ("upstream", "validated", "identity+cross-check")
+        )
+        print(
+            f"{name}: validated / upstream = {va / up:.2f}; identity+cross-check = "
+            f"{100 * idc / va:.1f}% of the validated load, {100 * idc / up:.1f}% of upstream's"
+        )
     return 0
 
 

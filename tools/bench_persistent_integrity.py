@@ -54,9 +54,12 @@ def _state(rank: int, world: int, tensors: int, per_rank_bytes: int):
 
     n = per_rank_bytes // 4 // tensors
     g = torch.Generator().manual_seed(rank)
-    return {f"t{i}": ShardedTensor.from_rank_offsets(f"decoder.layers.{i}.weight", torch.randn(1, n, generator=g),
-                                                     (0, rank, world))
-            for i in range(tensors)}
+    return {
+        f"t{i}": ShardedTensor.from_rank_offsets(
+            f"decoder.layers.{i}.weight", torch.randn(1, n, generator=g), (0, rank, world)
+        )
+        for i in range(tensors)
+    }
 
 
 def _slowest(seconds: float) -> float:
@@ -71,6 +74,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     from megatron.core import dist_checkpointing
+
     from megatron.cpu import runtime
     from megatron.training_ext import persistent_tier
 
@@ -86,6 +90,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
                 return fn(*a, **kw)
             finally:
                 spent[op] += time.perf_counter() - t0
+
         return run
 
     mf.save_manifest = timed(mf.save_manifest, "save")
@@ -95,9 +100,13 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
     import logging
 
     logging.disable(logging.INFO)
-    times = {(v, op): [] for v in VARIANTS for op in ("save", "load", "save_integrity", "load_integrity")}
-    for rep in range(-1, args.reps):  # rep -1 warms up (writer processes, page cache) and is dropped
-        order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3] if rep >= 0 else VARIANTS
+    times = {
+        (v, op): [] for v in VARIANTS for op in ("save", "load", "save_integrity", "load_integrity")
+    }
+    for rep in range(
+        -1, args.reps
+    ):  # rep -1 warms up (writer processes, page cache) and is dropped
+        order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3] if rep >= 0 else VARIANTS
         for v in order:
             d = os.path.join(args.dir, f"iter_{rep + 1:07d}_{VARIANTS.index(v)}")
             if rank == 0:
@@ -149,7 +158,10 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, out)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, port, args, out))
+        for r in range(args.world)
+    ]
     for pr in procs:
         pr.start()
     for pr in procs:
@@ -161,23 +173,31 @@ def main(argv=None) -> int:
         return 1
     times = out.get()
     med = {k: statistics.median(x) for k, x in times.items()}
-    print(f"{args.gib:g} GiB torch_dist checkpoint, {args.world} gloo ranks, {args.tensors} tensors per rank, "
-          f"{args.reps} interleaved reps; slowest rank, seconds")
+    print(
+        f"{args.gib:g} GiB torch_dist checkpoint, {args.world} gloo ranks, {args.tensors} tensors per rank, "
+        f"{args.reps} interleaved reps; slowest rank, seconds"
+    )
     print("| variant | save median | save min | load median | load min |")
     print("|---|---|---|---|---|")
     for v in VARIANTS:
         s, lo = times[(v, "save")], times[(v, "load")]
-        print(f"| {v} | {med[(v, 'save')]:.3f} | {min(s):.3f} | {med[(v, 'load')]:.3f} | {min(lo):.3f} |")
+        print(
+            f"| {v} | {med[(v, 'save')]:.3f} | {min(s):.3f} | {med[(v, 'load')]:.3f} | {min(lo):.3f} |"
+        )
     print()
     base_save, base_load = med[("upstream", "save")], med[("upstream", "load")]
     v = "upstream --verify-integrity"
-    print(f"{v}: save {med[(v, 'save')] / base_save:.2f}x, load {med[(v, 'load')] / base_load:.2f}x upstream")
+    print(
+        f"{v}: save {med[(v, 'save')] / base_save:.2f}x, load {med[(v, 'load')] / base_load:.2f}x upstream"
+    )
     v = "fork default"
     si, li = med[(v, "save_integrity")], med[(v, "load_integrity")]
-    print(f"{v}: save {med[(v, 'save')] / base_save:.2f}x, load {med[(v, 'load')] / base_load:.2f}x upstream; "
-          f"time inside the checksums (measured, slowest rank): save {si * 1e3:.0f} ms = "
-          f"{100 * si / base_save:.1f}% of the upstream save, load {li * 1e3:.0f} ms = "
-          f"{100 * li / base_save:.1f}% of the upstream save")
+    print(
+        f"{v}: save {med[(v, 'save')] / base_save:.2f}x, load {med[(v, 'load')] / base_load:.2f}x upstream; "
+        f"time inside the checksums (measured, slowest rank): save {si * 1e3:.0f} ms = "
+        f"{100 * si / base_save:.1f}% of the upstream save, load {li * 1e3:.0f} ms = "
+        f"{100 * li / base_save:.1f}% of the upstream save"
+    )
     return 0
 
 

@@ -118,7 +118,9 @@ def hash_table(device: str, sizes_mib, reps: int) -> list:
         timings = {name: [] for name in ["copy", *cands]}
         for _ in range(reps + 1):
             for name, f in [("copy", lambda t, m: copy()), *cands.items()]:
-                timings[name].append(_median_time(lambda: [f(src, mv) for _ in range(inner)], 1, sync) / inner)
+                timings[name].append(
+                    _median_time(lambda: [f(src, mv) for _ in range(inner)], 1, sync) / inner
+                )
         med = {k: statistics.median(v[1:]) for k, v in timings.items()}
         for name in cands:
             rows.append((name, mib, n / med[name] / 1e9, n / med["copy"] / 1e9))
@@ -126,8 +128,10 @@ def hash_table(device: str, sizes_mib, reps: int) -> list:
 
 
 def print_hash_table(device: str, rows) -> None:
-    print(f"\nchecksum throughput on {device} (one thread on CPU), median, vs a copy of the same bytes "
-          f"({'memmove' if device == 'cpu' else 'device-to-device copy'})\n")
+    print(
+        f"\nchecksum throughput on {device} (one thread on CPU), median, vs a copy of the same bytes "
+        f"({'memmove' if device == 'cpu' else 'device-to-device copy'})\n"
+    )
     print(f"{'algorithm':<28}{'chunk [MiB]':>12}{'GB/s':>9}{'copy GB/s':>11}{'hash/copy':>11}")
     for name, mib, gbps, copy in rows:
         print(f"{name:<28}{mib:>12g}{gbps:>9.2f}{copy:>11.2f}{gbps / copy:>11.2f}")
@@ -148,7 +152,9 @@ def _tensors(rank, total_bytes, count, quantized=False, device="cpu"):
     g = torch.Generator().manual_seed(rank * 1000 + count)
     n = total_bytes // 4 // count
     if not quantized:
-        return {f"layer{i:04d}.weight": torch.randn(n, generator=g).to(device) for i in range(count)}
+        return {
+            f"layer{i:04d}.weight": torch.randn(n, generator=g).to(device) for i in range(count)
+        }
     sys.path.insert(0, os.path.join(_REPO, "tests", "unit_tests", "fixes"))
     import replication_doubles as D
 
@@ -260,9 +266,11 @@ def _worker(rank, world, port, args, out_q):
         for name, fn, key in variants:
             csum_time[0], sent[0] = 0.0, 0
             elapsed, replicas = fn(key)
-            measured = torch.tensor([time.process_time() - cpu[0], elapsed,
-                                     csum_time[0] / elapsed if elapsed else 0.0], dtype=torch.float64,
-                                    device=args.device)
+            measured = torch.tensor(
+                [time.process_time() - cpu[0], elapsed, csum_time[0] / elapsed if elapsed else 0.0],
+                dtype=torch.float64,
+                device=args.device,
+            )
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
             cpu_used, slowest, share = measured.cpu()
             if rep >= args.warmup:
@@ -301,10 +309,17 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (median)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first")
     p.add_argument("--world", type=int, default=2, help="processes (one clique)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: gloo ranks; cuda: NCCL ranks on separate GPUs (default cpu)")
-    p.add_argument("--hash-sizes", default="0.0625,1,4,256",
-                   help="chunk sizes of the hash table, MiB, comma-separated")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL ranks on separate GPUs (default cpu)",
+    )
+    p.add_argument(
+        "--hash-sizes",
+        default="0.0625,1,4,256",
+        help="chunk sizes of the hash table, MiB, comma-separated",
+    )
     p.add_argument("--hash-only", action="store_true", help="print the hash throughput table only")
     args = p.parse_args(argv)
     if args.device == "cuda":
@@ -312,15 +327,19 @@ def main(argv=None) -> int:
             print("--device cuda: no CUDA device", file=sys.stderr)
             return 2
         args.world = max(1, min(args.world, torch.cuda.device_count()))
-    print_hash_table(args.device, hash_table(args.device, [float(x) for x in args.hash_sizes.split(",")],
-                                             args.reps))
+    print_hash_table(
+        args.device,
+        hash_table(args.device, [float(x) for x in args.hash_sizes.split(",")], args.reps),
+    )
     if args.hash_only:
         return 0
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)
+    ]
     for pr in procs:
         pr.start()
     for pr in procs:
@@ -332,14 +351,20 @@ def main(argv=None) -> int:
     t = res["times"]
     mb = args.size_mb
     backend = "NCCL" if args.device == "cuda" else "gloo"
-    print(f"\nreplicate(): {args.world} {backend} ranks, {mb} MiB per rank, median of {args.reps} "
-          f"(interleaved, slowest rank), torch {torch.__version__}, {os.cpu_count()} CPUs\n")
-    print(f"{'variant':<18}{'median [s]':>11}{'min [s]':>9}{'CPU [s]':>9}{'GB/s recv/rank':>16}"
-          f"{'vs upstream/64':>16}")
+    print(
+        f"\nreplicate(): {args.world} {backend} ranks, {mb} MiB per rank, median of {args.reps} "
+        f"(interleaved, slowest rank), torch {torch.__version__}, {os.cpu_count()} CPUs\n"
+    )
+    print(
+        f"{'variant':<18}{'median [s]':>11}{'min [s]':>9}{'CPU [s]':>9}{'GB/s recv/rank':>16}"
+        f"{'vs upstream/64':>16}"
+    )
     for name, sec in t.items():
         gbps = mb * 2**20 * max(args.world - 1, 1) / sec / 1e9 if sec else float("nan")
-        print(f"{name:<18}{sec:>11.3f}{res['mins'][name]:>9.3f}{res['cpu'][name]:>9.3f}{gbps:>16.2f}"
-              f"{sec / t['upstream/64']:>16.3f}")
+        print(
+            f"{name:<18}{sec:>11.3f}{res['mins'][name]:>9.3f}{res['cpu'][name]:>9.3f}{gbps:>16.2f}"
+            f"{sec / t['upstream/64']:>16.3f}"
+        )
     print("(CPU: process CPU time, all threads incl. gloo's, of the busiest rank; median)")
     print()
     rows = [
@@ -351,22 +376,34 @@ def main(argv=None) -> int:
         ("fixed/1024 / upstream/1024", t["fixed/1024"] / t["upstream/1024"], "<= 0.6"),
         ("fixed/8 / upstream/8", t["fixed/8"] / t["upstream/8"], "(large tensors)"),
         ("upstream/1024 / upstream/64", t["upstream/1024"] / t["upstream/64"], "(reference)"),
-        ("checksum wall cost (fixed - nocsum) / fixed",
-         (t["fixed/64"] - t["fixed-nocsum/64"]) / t["fixed/64"], "<= 0.10"),
+        (
+            "checksum wall cost (fixed - nocsum) / fixed",
+            (t["fixed/64"] - t["fixed-nocsum/64"]) / t["fixed/64"],
+            "<= 0.10",
+        ),
         ("time inside checksum calls / fixed (slowest rank)", res["share"], "(overlapped)"),
         ("fixed/64 / bcast/64", t["fixed/64"] / t["bcast/64"], "(transport ref)"),
     ]
     if args.device == "cpu":
         rows += [
-            ("quantized: bytes sent / primary bytes", res["q_sent"] / max(res["q_primary"], 1), "== 1"),
-            ("quantized: primary bytes / quantized payload", res["q_primary"] / max(res["q_payload"], 1),
-             "(dequantized)"),
+            (
+                "quantized: bytes sent / primary bytes",
+                res["q_sent"] / max(res["q_primary"], 1),
+                "== 1",
+            ),
+            (
+                "quantized: primary bytes / quantized payload",
+                res["q_primary"] / max(res["q_payload"], 1),
+                "(dequantized)",
+            ),
         ]
     print(f"{'ratio (medians)':<50}{'value':>8}  target")
     for name, val, target in rows:
         print(f"{name:<50}{val:>8.3f}  {target}")
-    print(f"\nper-rep times: " + "; ".join(f"{k}: " + ",".join(f"{x:.3f}" for x in v)
-                                          for k, v in res["all"].items()))
+    print(
+        "\nper-rep times: "
+        + "; ".join(f"{k}: " + ",".join(f"{x:.3f}" for x in v) for k, v in res["all"].items())
+    )
     return 0
 
 

@@ -86,10 +86,10 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
     """Write ``root/local`` and ``root/ckpt/iter_0000010``; returns sizes and counts."""
     import torch
     import torch.distributed as dist
-
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
     from megatron.integrity import checksums as ck
 
     factor = min(2, world)
@@ -105,13 +105,21 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
         for name, shape in shapes:
             data = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
             key = f"decoder.layers.{name}"
-            owned[r][f"{key}.{l}"] = ShardedTensor.from_rank_offsets(key, data, (0, l, layers), prepend_axis_num=1)
-    args = Namespace(world_size=world, replication=factor > 1, replication_factor=factor, replication_jump=1)
+            owned[r][f"{key}.{l}"] = ShardedTensor.from_rank_offsets(
+                key, data, (0, l, layers), prepend_axis_num=1
+            )
+    args = Namespace(
+        world_size=world, replication=factor > 1, replication_factor=factor, replication_jump=1
+    )
     local = root / "local"
     for r in range(world):
-        sd = MCoreTensorAwareStateDict(common={"iteration": ITERATION, "args": args}, sharded_state_dict=owned[r])
-        entries = [ck.make_entry(i, sh.key, sh.data, global_offset=sh.global_offset)
-                   for i, sh in enumerate(sd._sharded_tensors)]
+        sd = MCoreTensorAwareStateDict(
+            common={"iteration": ITERATION, "args": args}, sharded_state_dict=owned[r]
+        )
+        entries = [
+            ck.make_entry(i, sh.key, sh.data, global_offset=sh.global_offset)
+            for i, sh in enumerate(sd._sharded_tensors)
+        ]
         ck.attach_record(sd, ck.make_record(r, entries))
         for j in range(factor):
             holder = (r + j) % world
@@ -120,7 +128,9 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
             with open(d / f"iter_{ITERATION:07d}_{r}_local.pt", "wb") as f:
                 torch.save(sd, f)
     # persistent: one gloo process saving every shard (chunks == the local shards, as in real runs)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1"
+    )
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         ckpt = root / "ckpt" / f"iter_{ITERATION:07d}"
@@ -142,8 +152,12 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
     finally:
         dist.destroy_process_group()
     files = sorted(str(p) for p in root.rglob("*") if p.is_file())
-    return {"layers": layers, "files": files, "bytes": sum(os.path.getsize(f) for f in files),
-            "local_bytes": sum(os.path.getsize(p) for p in local.rglob("*") if p.is_file())}
+    return {
+        "layers": layers,
+        "files": files,
+        "bytes": sum(os.path.getsize(f) for f in files),
+        "local_bytes": sum(os.path.getsize(p) for p in local.rglob("*") if p.is_file()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +194,9 @@ def time_cat(files, streams: int) -> float:
 
 def _verify_worker(rank: int, world: int, port: int, root: str, conn) -> None:
     """A verifier process of the 2-process group: initialises gloo once, then verifies on request."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     import torch.distributed as dist
 
     from megatron.integrity.verify import verify_checkpoint
@@ -230,7 +246,12 @@ class VerifyGroup:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gb", type=float, default=2.0, help="local checkpoint size (primaries + replicas), GB")
+    p.add_argument(
+        "--size-gb",
+        type=float,
+        default=2.0,
+        help="local checkpoint size (primaries + replicas), GB",
+    )
     p.add_argument("--dir", default="/tmp", help="where to generate (needs ~1.5x --size-gb free)")
     p.add_argument("--world", type=int, default=2, help="ranks of the simulated run (files)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size of the simulated layers")
@@ -243,7 +264,10 @@ def main(argv=None) -> int:
     need = a.size_gb * 1.5e9 * 1.1
     free = shutil.disk_usage(a.dir).free
     if free < need:
-        print(f"error: {a.dir} has {free / 1e9:.1f} GB free, the benchmark needs {need / 1e9:.1f} GB", file=sys.stderr)
+        print(
+            f"error: {a.dir} has {free / 1e9:.1f} GB free, the benchmark needs {need / 1e9:.1f} GB",
+            file=sys.stderr,
+        )
         return 2
     root = Path(tempfile.mkdtemp(prefix="bench_verify_", dir=a.dir))
     group = None
@@ -251,9 +275,12 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         info = generate(root, a.size_gb, a.world, a.hidden)
         total = info["bytes"]
-        print(f"generated {len(info['files'])} files, {total / 1e9:.2f} GB ({info['local_bytes'] / 1e9:.2f} GB local, "
-              f"{(total - info['local_bytes']) / 1e9:.2f} GB persistent, {info['layers']} layers, world {a.world}) "
-              f"in {time.perf_counter() - t:.0f} s", flush=True)
+        print(
+            f"generated {len(info['files'])} files, {total / 1e9:.2f} GB ({info['local_bytes'] / 1e9:.2f} GB local, "
+            f"{(total - info['local_bytes']) / 1e9:.2f} GB persistent, {info['layers']} layers, world {a.world}) "
+            f"in {time.perf_counter() - t:.0f} s",
+            flush=True,
+        )
         from megatron.integrity.verify import verify_checkpoint
 
         group = VerifyGroup(root, 2)
@@ -262,13 +289,16 @@ def main(argv=None) -> int:
             "cat x1": lambda: (time_cat(info["files"], 1), None),
             "cat x2": lambda: (time_cat(info["files"], 2), None),
             "verify 1 proc": lambda: (lambda r: (r.timing["wall_s"], r.ok))(
-                verify_checkpoint(root / "local", root / "ckpt")),
+                verify_checkpoint(root / "local", root / "ckpt")
+            ),
             "verify 2 procs": group.run,
         }
         times: dict = {}
         oks: dict = {}
         caches = ("cold", "warm") if can_drop else ("warm",)
-        for rep in range(a.reps):  # interleaved repetitions: slow phases of a shared machine hit all variants
+        for rep in range(
+            a.reps
+        ):  # interleaved repetitions: slow phases of a shared machine hit all variants
             for cache in caches:
                 for name, fn in variants.items():
                     if cache == "cold":
@@ -288,16 +318,47 @@ def main(argv=None) -> int:
                 ok = oks.get((cache, name))
                 pct = "-"
                 if cache == "cold" and name.startswith("verify"):
-                    ref = statistics.median(times[("cold", "cat x1" if "1 proc" in name else "cat x2")])
+                    ref = statistics.median(
+                        times[("cold", "cat x1" if "1 proc" in name else "cat x2")]
+                    )
                     pct = f"{100 * ref / med:.0f}%"
-                rows.append([name, cache, f"{med:.2f}", f"{min(ts):.2f}", f"{max(ts):.2f}", f"{total / med / 1e9:.3f}",
-                             "-" if ok is None else ("OK" if all(ok) else "FAILED"), pct])
+                rows.append(
+                    [
+                        name,
+                        cache,
+                        f"{med:.2f}",
+                        f"{min(ts):.2f}",
+                        f"{max(ts):.2f}",
+                        f"{total / med / 1e9:.3f}",
+                        "-" if ok is None else ("OK" if all(ok) else "FAILED"),
+                        pct,
+                    ]
+                )
         print()
-        print(f"Verifier throughput: {total / 1e9:.2f} GB (local + persistent files), {os.cpu_count()} CPUs, "
-              f"median of {a.reps} interleaved runs; GB/s = bytes / median time"
-              + ("" if can_drop else "; page cache could NOT be dropped (not permitted): warm figures only"))
-        print(format_table(("variant", "cache", "median s", "min s", "max s", "GB/s", "report",
-                            "% of cat, same streams (cold)"), rows))
+        print(
+            f"Verifier throughput: {total / 1e9:.2f} GB (local + persistent files), {os.cpu_count()} CPUs, "
+            f"median of {a.reps} interleaved runs; GB/s = bytes / median time"
+            + (
+                ""
+                if can_drop
+                else "; page cache could NOT be dropped (not permitted): warm figures only"
+            )
+        )
+        print(
+            format_table(
+                (
+                    "variant",
+                    "cache",
+                    "median s",
+                    "min s",
+                    "max s",
+                    "GB/s",
+                    "report",
+                    "% of cat, same streams (cold)",
+                ),
+                rows,
+            )
+        )
         return 0
     finally:
         if group is not None:

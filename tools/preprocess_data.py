@@ -76,29 +76,51 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import _add_tokenizer_args
 
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", nargs="+", required=True,
-                       help="JSONL file(s); or one directory of plain-text files (this fork)")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="space separated keys to extract from each JSON line (default: text)")
-    group.add_argument("--pattern", default="*",
-                       help="with --input DIR: file glob, e.g. '*.py' (default: all files)")
+    group.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSONL file(s); or one directory of plain-text files (this fork)",
+    )
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="space separated keys to extract from each JSON line (default: text)",
+    )
+    group.add_argument(
+        "--pattern",
+        default="*",
+        help="with --input DIR: file glob, e.g. '*.py' (default: all files)",
+    )
     _add_tokenizer_args(parser)
     for action in parser._actions:
         if action.dest == "tokenizer_type":
             action.choices = tuple(action.choices or ()) + (BYTE_LEVEL,)
             action.help = (action.help or "") + f" {BYTE_LEVEL}: UTF-8 bytes (this fork)."
     group = parser.add_argument_group(title="tokenization process")
-    group.add_argument("--append-eod", action="store_true",
-                       help="append the end-of-document token to every document")
+    group.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to every document",
+    )
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", required=True,
-                       help="writes <prefix>_<key>_document.bin/.idx for each --json-keys key")
+    group.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes <prefix>_<key>_document.bin/.idx for each --json-keys key",
+    )
     group = parser.add_argument_group(title="runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    group.add_argument("--log-interval", type=int, default=1000,
-                       help="accepted for upstream compatibility (a progress bar is shown instead)")
+    group.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        help="accepted for upstream compatibility (a progress bar is shown instead)",
+    )
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -116,15 +138,20 @@ def build_tokenizer(args: argparse.Namespace):
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as mcore_build
 
     if args.tokenizer_type is None:
-        raise PreprocessError(f"--tokenizer-type is required (e.g. {BYTE_LEVEL}, NullTokenizer, "
-                              "GPT2BPETokenizer with --vocab-file/--merge-file)")
+        raise PreprocessError(
+            f"--tokenizer-type is required (e.g. {BYTE_LEVEL}, NullTokenizer, "
+            "GPT2BPETokenizer with --vocab-file/--merge-file)"
+        )
     if args.tokenizer_type == BYTE_LEVEL:
         vocab = args.vocab_size or BYTE_VOCAB_SIZE
         if vocab < 257:
-            raise PreprocessError(f"{BYTE_LEVEL} needs --vocab-size >= 257 (ids 0-255 are bytes, the "
-                                  f"end-of-document id is vocab_size - 1), got {vocab}")
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"},
-                                                 vocab_size=vocab, _eos_id=vocab - 1)
+            raise PreprocessError(
+                f"{BYTE_LEVEL} needs --vocab-size >= 257 (ids 0-255 are bytes, the "
+                f"end-of-document id is vocab_size - 1), got {vocab}"
+            )
+        return MegatronTokenizer.from_pretrained(
+            metadata_path={"library": "byte-level"}, vocab_size=vocab, _eos_id=vocab - 1
+        )
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         raise PreprocessError("GPT2BPETokenizer needs --vocab-file and --merge-file (local files)")
     # what upstream's preprocess_data.py sets for build_tokenizer (no model-parallel padding here)
@@ -132,8 +159,10 @@ def build_tokenizer(args: argparse.Namespace):
     try:
         return mcore_build(args)
     except ModuleNotFoundError as e:
-        raise PreprocessError(f"--tokenizer-type {args.tokenizer_type} needs the Python package "
-                              f"{e.name!r}: pip install {e.name}") from e
+        raise PreprocessError(
+            f"--tokenizer-type {args.tokenizer_type} needs the Python package "
+            f"{e.name!r}: pip install {e.name}"
+        ) from e
     except Exception as e:  # noqa: BLE001 - any build failure is reported the same way
         raise PreprocessError(f"--tokenizer-type {args.tokenizer_type} did not build: {e}") from e
 
@@ -156,8 +185,9 @@ def _tokenize_value(value, where: str) -> list[int]:
     ids: list[int] = []
     for part in parts:
         if not isinstance(part, str):
-            raise PreprocessError(f"{where}: expected a string or a list of strings, "
-                                  f"got {type(part).__name__}")
+            raise PreprocessError(
+                f"{where}: expected a string or a list of strings, got {type(part).__name__}"
+            )
         if part:
             ids.extend(int(i) for i in tok.tokenize(part))
     return ids
@@ -176,8 +206,10 @@ def _encode(item: tuple[str, str | None, bytes]) -> tuple[int, dict[str, list[in
             raise PreprocessError(f"{where}: expected a JSON object, got {type(record).__name__}")
         missing = [k for k in args.json_keys if k not in record]
         if missing:
-            raise PreprocessError(f"{where}: no key {missing[0]!r} (--json-keys "
-                                  f"{' '.join(args.json_keys)}); keys here: {sorted(record)}")
+            raise PreprocessError(
+                f"{where}: no key {missing[0]!r} (--json-keys "
+                f"{' '.join(args.json_keys)}); keys here: {sorted(record)}"
+            )
         values = {k: record[k] for k in args.json_keys}
     else:  # a plain-text file
         if b"\0" in payload[:8192]:
@@ -227,8 +259,10 @@ def find_documents(input_dir: str, pattern: str = "*") -> list[Path]:
         raise PreprocessError(f"--input {input_dir!r} is not readable (check its permissions)")
     files = sorted(p for p in root.rglob(pattern) if p.is_file())
     if not files:
-        raise PreprocessError(f"--input {input_dir!r} holds no file matching {pattern!r}; "
-                              "point it at a directory of text files")
+        raise PreprocessError(
+            f"--input {input_dir!r} holds no file matching {pattern!r}; "
+            "point it at a directory of text files"
+        )
     return files
 
 
@@ -285,8 +319,10 @@ def build(args: argparse.Namespace) -> Stats:
 
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    builders = {k: IndexedDatasetBuilder(get_bin_path(output_prefix(args.output_prefix, k)), dtype=dtype)
-                for k in keys}
+    builders = {
+        k: IndexedDatasetBuilder(get_bin_path(output_prefix(args.output_prefix, k)), dtype=dtype)
+        for k in keys
+    }
     stats.documents = dict.fromkeys(keys, 0)
     stats.tokens = dict.fromkeys(keys, 0)
     ok = False
@@ -298,8 +334,13 @@ def build(args: argparse.Namespace) -> Stats:
         else:
             _init_worker(args)
             results = map(_encode, items)
-        with tqdm(total=total, unit=unit, unit_scale=unit == "B", desc="preprocess",
-                  disable=args.no_progress) as bar:
+        with tqdm(
+            total=total,
+            unit=unit,
+            unit_scale=unit == "B",
+            desc="preprocess",
+            disable=args.no_progress,
+        ) as bar:
             for size, doc, why in results:
                 bar.update(size if unit == "B" else 1)
                 if doc is None:
@@ -314,8 +355,10 @@ def build(args: argparse.Namespace) -> Stats:
                         stats.documents[key] += 1
                         stats.tokens[key] += len(ids)
         if not any(stats.documents.values()):
-            raise PreprocessError(f"nothing to write: no non-empty document in {' '.join(args.input)}"
-                                  f" ({stats.skipped_binary} binary file(s) skipped)")
+            raise PreprocessError(
+                f"nothing to write: no non-empty document in {' '.join(args.input)}"
+                f" ({stats.skipped_binary} binary file(s) skipped)"
+            )
         for key, builder in builders.items():
             builder.finalize(get_idx_path(output_prefix(args.output_prefix, key)))
         ok = True
@@ -329,8 +372,10 @@ def build(args: argparse.Namespace) -> Stats:
         if not ok:
             for key, builder in builders.items():
                 builder.data_file.close()
-                for path in (get_bin_path(output_prefix(args.output_prefix, key)),
-                             get_idx_path(output_prefix(args.output_prefix, key))):
+                for path in (
+                    get_bin_path(output_prefix(args.output_prefix, key)),
+                    get_idx_path(output_prefix(args.output_prefix, key)),
+                ):
                     if os.path.exists(path):
                         os.remove(path)
     return stats
@@ -349,14 +394,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess_data: error: {e}", file=sys.stderr)
         return 2
     for key in stats.documents:
-        print(f"preprocess_data: wrote {output_prefix(args.output_prefix, key)}.bin/.idx: "
-              f"{stats.documents[key]} documents, {stats.tokens[key]} tokens")
-    print(f"preprocess_data: skipped {stats.empty} empty document(s), {stats.skipped_binary} binary "
-          f"file(s), {stats.skipped_unreadable} unreadable file(s)")
+        print(
+            f"preprocess_data: wrote {output_prefix(args.output_prefix, key)}.bin/.idx: "
+            f"{stats.documents[key]} documents, {stats.tokens[key]} tokens"
+        )
+    print(
+        f"preprocess_data: skipped {stats.empty} empty document(s), {stats.skipped_binary} binary "
+        f"file(s), {stats.skipped_unreadable} unreadable file(s)"
+    )
     if args.tokenizer_type == BYTE_LEVEL:
-        print(f"preprocess_data: train with --tokenizer-type NullTokenizer --vocab-size "
-              f"{args.vocab_size or BYTE_VOCAB_SIZE} --data-path "
-              f"{output_prefix(args.output_prefix, next(iter(stats.documents)))}")
+        print(
+            f"preprocess_data: train with --tokenizer-type NullTokenizer --vocab-size "
+            f"{args.vocab_size or BYTE_VOCAB_SIZE} --data-path "
+            f"{output_prefix(args.output_prefix, next(iter(stats.documents)))}"
+        )
     return 0
 
 

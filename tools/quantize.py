@@ -63,8 +63,11 @@ class Recipe:
 #: defaults for every config).
 RECIPES: dict[str, Recipe] = {
     "fp8": Recipe("FP8_DEFAULT_CFG", False, "FP8 E4M3, per-tensor weight and activation scales"),
-    "fp8_per_channel": Recipe("FP8_PER_CHANNEL_PER_TOKEN_CFG", False,
-                              "FP8 E4M3, per-channel weights, per-token dynamic activations"),
+    "fp8_per_channel": Recipe(
+        "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+        False,
+        "FP8 E4M3, per-channel weights, per-token dynamic activations",
+    ),
     "int8": Recipe("INT8_DEFAULT_CFG", False, "INT8, per-channel weights, per-tensor activations"),
     "int8_sq": Recipe("INT8_SMOOTHQUANT_CFG", False, "INT8 with SmoothQuant"),
     "int8_weight_only": Recipe("INT8_WEIGHT_ONLY_CFG", False, "INT8 per-channel weights only"),
@@ -77,13 +80,23 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """``extra_args_provider``: this fork's flags plus ``--recipe`` and ``--calib-batches``."""
     fork_args.add_fork_args(parser)
     group = parser.add_argument_group("quantize", "tools/quantize.py")
-    group.add_argument("--recipe", default=None, metavar="NAME",
-                       help="ModelOpt recipe: " + "; ".join(
-                           f"{k} ({r.what}{', CUDA only' if r.needs_cuda else ''})"
-                           for k, r in RECIPES.items()))
-    group.add_argument("--calib-batches", type=int, default=4, metavar="N",
-                       help="calibration: N global batches (--global-batch-size samples each) of "
-                            "the training split of --data-path, run forward only (default 4)")
+    group.add_argument(
+        "--recipe",
+        default=None,
+        metavar="NAME",
+        help="ModelOpt recipe: "
+        + "; ".join(
+            f"{k} ({r.what}{', CUDA only' if r.needs_cuda else ''})" for k, r in RECIPES.items()
+        ),
+    )
+    group.add_argument(
+        "--calib-batches",
+        type=int,
+        default=4,
+        metavar="N",
+        help="calibration: N global batches (--global-batch-size samples each) of "
+        "the training split of --data-path, run forward only (default 4)",
+    )
     return parser
 
 
@@ -105,8 +118,9 @@ def _tracked_checkpoint(load_dir: str, ckpt_step: int | None) -> tuple[str, str]
             raise SystemExit(f"quantize.py: {tracker} holds {text!r}, not an iteration") from None
     path = os.path.join(load_dir, sub)
     if not os.path.isdir(path):
-        raise SystemExit(f"quantize.py: --load {load_dir} names checkpoint {sub}, but {path} does "
-                         "not exist")
+        raise SystemExit(
+            f"quantize.py: --load {load_dir} names checkpoint {sub}, but {path} does not exist"
+        )
     return sub, path
 
 
@@ -126,20 +140,24 @@ def validate_quantize_args(args: argparse.Namespace) -> Recipe:
         raise SystemExit(f"quantize.py: --recipe is required (one of {', '.join(RECIPES)})")
     recipe = RECIPES.get(args.recipe)
     if recipe is None:
-        raise SystemExit(f"quantize.py: unknown --recipe {args.recipe!r}; known: "
-                         f"{', '.join(RECIPES)}")
+        raise SystemExit(
+            f"quantize.py: unknown --recipe {args.recipe!r}; known: {', '.join(RECIPES)}"
+        )
     if recipe.needs_cuda and args.cpu:
-        raise SystemExit(f"quantize.py: --recipe {args.recipe} needs CUDA (ModelOpt's "
-                         f"{recipe.config} fake quantization has no CPU kernels); drop --cpu and "
-                         "run on GPUs, or pick one of "
-                         + ", ".join(k for k, r in RECIPES.items() if not r.needs_cuda))
+        raise SystemExit(
+            f"quantize.py: --recipe {args.recipe} needs CUDA (ModelOpt's "
+            f"{recipe.config} fake quantization has no CPU kernels); drop --cpu and "
+            "run on GPUs, or pick one of "
+            + ", ".join(k for k, r in RECIPES.items() if not r.needs_cuda)
+        )
     if args.calib_batches < 1:
         raise SystemExit(f"quantize.py: --calib-batches must be >= 1 (got {args.calib_batches})")
     if args.ckpt_format != "torch_dist":
         raise SystemExit(f"quantize.py: --ckpt-format must be torch_dist (got {args.ckpt_format})")
     if args.virtual_pipeline_model_parallel_size is not None:
-        raise SystemExit("quantize.py: ModelOpt state does not support virtual pipeline "
-                         "parallelism")
+        raise SystemExit(
+            "quantize.py: ModelOpt state does not support virtual pipeline parallelism"
+        )
     if not args.load:
         raise SystemExit("quantize.py: --load (the torch_dist checkpoint to quantize) is required")
     if not args.save:
@@ -147,12 +165,16 @@ def validate_quantize_args(args: argparse.Namespace) -> Recipe:
     if os.path.realpath(args.save) == os.path.realpath(args.load):
         raise SystemExit(f"quantize.py: --save must differ from --load ({args.load})")
     if not args.mock_data and not args.data_path:
-        raise SystemExit("quantize.py: calibration data needed: --data-path PREFIX (indexed "
-                         "dataset from tools/preprocess_data.py) or --mock-data")
+        raise SystemExit(
+            "quantize.py: calibration data needed: --data-path PREFIX (indexed "
+            "dataset from tools/preprocess_data.py) or --mock-data"
+        )
     name, path = _tracked_checkpoint(args.load, getattr(args, "ckpt_step", None))
     if os.path.isdir(os.path.join(path, "modelopt_state")):
-        raise SystemExit(f"quantize.py: checkpoint {path} already holds ModelOpt state "
-                         "(modelopt_state/); quantize the unquantized checkpoint")
+        raise SystemExit(
+            f"quantize.py: checkpoint {path} already holds ModelOpt state "
+            "(modelopt_state/); quantize the unquantized checkpoint"
+        )
     return recipe
 
 
@@ -169,8 +191,10 @@ def build_model(args: argparse.Namespace) -> list:
         specs.adapt_model_config(model_cfg)
     builder = model_cfg.get_builder_cls()(model_cfg)
     return builder.build_distributed_models(
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(), wrap_with_ddp=False,
-        data_parallel_random_init=False)
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        wrap_with_ddp=False,
+        data_parallel_random_init=False,
+    )
 
 
 def calibration_loop(args: argparse.Namespace, model: list):
@@ -201,10 +225,16 @@ def calibration_loop(args: argparse.Namespace, model: list):
             fb = get_forward_backward_func()
             with torch.no_grad():
                 for _ in range(args.calib_batches):
-                    fb(forward_step_func=forward_step, data_iterator=data, model=model,
-                       num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-                       micro_batch_size=args.micro_batch_size,
-                       decoder_seq_length=args.decoder_seq_length, forward_only=True)
+                    fb(
+                        forward_step_func=forward_step,
+                        data_iterator=data,
+                        model=model,
+                        num_microbatches=get_num_microbatches(),
+                        seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size,
+                        decoder_seq_length=args.decoder_seq_length,
+                        forward_only=True,
+                    )
         finally:
             args.check_for_nan_in_loss_and_grad = nan_check
             for m in model:
@@ -237,11 +267,14 @@ def quantize(args: argparse.Namespace, recipe: Recipe) -> dict:
     model = build_model(args)
     iteration, flops = checkpointing.load_checkpoint(model, None, None)
     if modelopt_ext.is_modelopt_converted(model):
-        raise RuntimeError(f"quantize.py: the model loaded from {args.load} already carries "
-                           "ModelOpt state")
-    print_rank_0(f"quantize.py: loaded iteration {iteration} from {args.load}; applying "
-                 f"{recipe.config} ({args.recipe}), calibrating on {args.calib_batches} "
-                 f"global batch(es)")
+        raise RuntimeError(
+            f"quantize.py: the model loaded from {args.load} already carries ModelOpt state"
+        )
+    print_rank_0(
+        f"quantize.py: loaded iteration {iteration} from {args.load}; applying "
+        f"{recipe.config} ({args.recipe}), calibrating on {args.calib_batches} "
+        f"global batch(es)"
+    )
     forward_loop = calibration_loop(args, model)
     (chunk,) = unwrap_model(model)
     quantized = mtq.quantize(chunk, getattr(mtq, recipe.config), forward_loop)
@@ -250,13 +283,19 @@ def quantize(args: argparse.Namespace, recipe: Recipe) -> dict:
     counts = modelopt_ext.quantizer_summary(model)
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, counts)
-    problems = [f"rank {r}: {c['static'] - c['calibrated']} quantizer(s) without amax, e.g. "
-                f"{c['uncalibrated'][:3]}" for r, c in enumerate(everyone) if c["uncalibrated"]]
+    problems = [
+        f"rank {r}: {c['static'] - c['calibrated']} quantizer(s) without amax, e.g. "
+        f"{c['uncalibrated'][:3]}"
+        for r, c in enumerate(everyone)
+        if c["uncalibrated"]
+    ]
     if sum(c["enabled"] for c in everyone) == 0:
         problems.append(f"{recipe.config} enabled no quantizer on any rank")
     if problems:
-        raise RuntimeError("quantize.py: calibration incomplete, nothing saved (raise "
-                           "--calib-batches if experts saw no tokens):\n  " + "\n  ".join(problems))
+        raise RuntimeError(
+            "quantize.py: calibration incomplete, nothing saved (raise "
+            "--calib-batches if experts saw no tokens):\n  " + "\n  ".join(problems)
+        )
     # The quantized checkpoint holds no optimizer state; its args say so, so that loading it
     # does not look for one.
     args.no_save_optim = True
@@ -278,14 +317,17 @@ def main() -> None:
     from megatron.training.initialize import initialize_megatron
 
     # --save-interval: upstream's validation wants one with --save; quantize.py saves once.
-    args = parse_and_validate_args(extra_args_provider=add_quantize_args,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer",
-                                                  "save_interval": 1})
+    args = parse_and_validate_args(
+        extra_args_provider=add_quantize_args,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer", "save_interval": 1},
+    )
     fork_args.validate_fork_args(args)
     recipe = validate_quantize_args(args)
     from megatron.training_ext import persistent_tier
 
-    persistent_tier.install(args)  # verify --load, write integrity.json with the quantized checkpoint
+    persistent_tier.install(
+        args
+    )  # verify --load, write integrity.json with the quantized checkpoint
     initialize_megatron(allow_no_cuda=args.cpu)
     quantize(args, recipe)
 

@@ -72,29 +72,66 @@ if _REPO not in sys.path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local-dir", metavar="DIR", help="local checkpoint root (--non-persistent-local-ckpt-dir)")
-    p.add_argument("--persistent-dir", metavar="DIR", help="torch_dist checkpoint: iteration directory or --save root")
-    p.add_argument("--iteration", type=int, help="iteration to verify (default: the persistent one; with --local-dir "
-                   "alone: every local iteration)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--local-dir", metavar="DIR", help="local checkpoint root (--non-persistent-local-ckpt-dir)"
+    )
+    p.add_argument(
+        "--persistent-dir",
+        metavar="DIR",
+        help="torch_dist checkpoint: iteration directory or --save root",
+    )
+    p.add_argument(
+        "--iteration",
+        type=int,
+        help="iteration to verify (default: the persistent one; with --local-dir "
+        "alone: every local iteration)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the JSON report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-nonfinite-check", action="store_true", help="do not scan for NaN/Inf")
     m = p.add_mutually_exclusive_group()
-    m.add_argument("--verify-manifest", dest="manifest", action="store_const", const=True,
-                   help="also verify integrity.json (checksums of every persistent file) when comparing with "
-                        "local files (default: only for a persistent checkpoint alone)")
-    m.add_argument("--skip-manifest", dest="manifest", action="store_const", const=False,
-                   help="never verify integrity.json")
+    m.add_argument(
+        "--verify-manifest",
+        dest="manifest",
+        action="store_const",
+        const=True,
+        help="also verify integrity.json (checksums of every persistent file) when comparing with "
+        "local files (default: only for a persistent checkpoint alone)",
+    )
+    m.add_argument(
+        "--skip-manifest",
+        dest="manifest",
+        action="store_const",
+        const=False,
+        help="never verify integrity.json",
+    )
     p.add_argument("--no-objects", action="store_true", help="do not compare ShardedObjects")
-    p.add_argument("--batch-mb", type=int, default=64, help="MiB checked per step; persistent regions that must be "
-                   "assembled from several chunks take this much memory at most")
-    p.add_argument("--no-mmap", action="store_true", help="read local files into memory instead of mapping them")
+    p.add_argument(
+        "--batch-mb",
+        type=int,
+        default=64,
+        help="MiB checked per step; persistent regions that must be "
+        "assembled from several chunks take this much memory at most",
+    )
+    p.add_argument(
+        "--no-mmap",
+        action="store_true",
+        help="read local files into memory instead of mapping them",
+    )
     p.add_argument("--no-readahead", action="store_true", help="no background read-ahead thread")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1; "
-                   "for more parallelism run more processes under torchrun)")
-    p.add_argument("--max-rows", type=int, default=50, help="rows of tables / problems printed (all in --json)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads per process (default 1; "
+        "for more parallelism run more processes under torchrun)",
+    )
+    p.add_argument(
+        "--max-rows", type=int, default=50, help="rows of tables / problems printed (all in --json)"
+    )
     p.add_argument("--quiet", action="store_true", help="print only the RESULT line")
     return p
 
@@ -120,7 +157,10 @@ def main(argv=None) -> int:
         return 2
 
     if args.json and (problem := _unwritable(args.json)):
-        print(f"error: --json {args.json}: {problem}; give a path in a writable directory", file=sys.stderr)
+        print(
+            f"error: --json {args.json}: {problem}; give a path in a writable directory",
+            file=sys.stderr,
+        )
         return 2
 
     import torch.distributed as dist
@@ -136,20 +176,32 @@ def main(argv=None) -> int:
     try:
         try:
             options = VerifyOptions(
-                check_nonfinite=not args.no_nonfinite_check, verify_manifest=args.manifest,
-                compare_objects=not args.no_objects, batch_bytes=args.batch_mb * 1024 * 1024,
-                mmap=not args.no_mmap, readahead=not args.no_readahead, torch_threads=args.threads,
+                check_nonfinite=not args.no_nonfinite_check,
+                verify_manifest=args.manifest,
+                compare_objects=not args.no_objects,
+                batch_bytes=args.batch_mb * 1024 * 1024,
+                mmap=not args.no_mmap,
+                readahead=not args.no_readahead,
+                torch_threads=args.threads,
                 progress=not args.no_progress and sys.stderr.isatty(),
             )
-            report = verify_checkpoint(args.local_dir, args.persistent_dir,
-                                       iteration=args.iteration, options=options, group=group)
+            report = verify_checkpoint(
+                args.local_dir,
+                args.persistent_dir,
+                iteration=args.iteration,
+                options=options,
+                group=group,
+            )
         except CheckpointInputError as e:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
         if rank == 0:
             if args.quiet:
-                print("RESULT: " + ("OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"))
+                print(
+                    "RESULT: "
+                    + ("OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))")
+                )
             else:
                 print(report.format_text(max_rows=args.max_rows))
             if args.json:

@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -77,10 +76,10 @@ class CpuMLACoreAttention(MegatronModule):
         self.attention_type = attention_type
         self.k_channels = k_channels if k_channels is not None else config.kv_channels
         self.v_channels = v_channels if v_channels is not None else config.kv_channels
-        self.softmax_scale = (softmax_scale if softmax_scale is not None
-                              else self.k_channels ** -0.5)
-        self.dropout_p = float(config.attention_dropout if attention_dropout is None
-                               else attention_dropout)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.k_channels**-0.5
+        self.dropout_p = float(
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.pg_collection = pg_collection
 
     def _dropout_context(self):
@@ -136,8 +135,9 @@ class CpuMLACoreAttention(MegatronModule):
         dropout = self.dropout_p if self.training else 0.0
         context = contextlib.nullcontext() if dropout == 0.0 else self._dropout_context()
         with context:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
-                                                 scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=dropout, scale=self.softmax_scale
+            )
         # [b, n, sq, dv] -> [sq, b, n * dv]
         return out.permute(2, 0, 1, 3).reshape(sq, b, n * out.size(-1))
 
@@ -162,7 +162,9 @@ def _swap(node: Any, fuse_down_proj: bool, seen: dict) -> Any:
             if fuse_down_proj:
                 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
                 from megatron.core.transformer.multi_latent_attention import (
-                    FusedMLASelfAttention, MLASelfAttention)
+                    FusedMLASelfAttention,
+                    MLASelfAttention,
+                )
 
                 if node.module is MLASelfAttention:
                     node.module = FusedMLASelfAttention
@@ -181,7 +183,8 @@ def _swap(node: Any, fuse_down_proj: bool, seen: dict) -> Any:
         for f in dataclasses.fields(node):
             value = getattr(node, f.name)
             if isinstance(value, (ModuleSpec, list, tuple)) or (
-                    dataclasses.is_dataclass(value) and not isinstance(value, type)):
+                dataclasses.is_dataclass(value) and not isinstance(value, type)
+            ):
                 setattr(node, f.name, _swap(value, fuse_down_proj, seen))
         return node
     return node

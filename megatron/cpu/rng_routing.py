@@ -11,7 +11,14 @@ from typing import Any
 import torch
 
 #: Namespaces whose attribute of an aten op's name is that op's Python binding.
-_BINDING_NAMESPACES = (torch, torch.Tensor, torch.nn.functional, torch._C._nn, torch.special, torch.nn.init)
+_BINDING_NAMESPACES = (
+    torch,
+    torch.Tensor,
+    torch.nn.functional,
+    torch._C._nn,
+    torch.special,
+    torch.nn.init,
+)
 #: Modules whose pure-Python functions may call seeded ops inside (then the torch function mode sees
 #: only the outer call: ``nn.init.normal_`` runs ``Tensor.normal_`` with the mode off).
 _WRAPPER_MODULES = (torch.nn.functional, torch.nn.init)
@@ -26,7 +33,7 @@ def seeded_aten_ops() -> frozenset[str]:
     for schema in torch._C._jit_get_all_schemas():
         if not schema.name.startswith("aten::"):
             continue
-        name = schema.name[len("aten::"):]
+        name = schema.name[len("aten::") :]
         if name in names:
             continue
         packet = getattr(torch.ops.aten, name, None)
@@ -75,12 +82,18 @@ def random_callables() -> frozenset:
             return True
         # boolean_dispatch wrappers (F.fractional_max_pool2d) hold their targets in a closure
         cells = [c.cell_contents for c in (f.__closure__ or ()) if c.cell_contents is not f]
-        return any(g in out or isinstance(g, types.FunctionType) and draws(g, module)
-                   for g in cells if callable(g))
+        return any(
+            g in out or isinstance(g, types.FunctionType) and draws(g, module)
+            for g in cells
+            if callable(g)
+        )
 
     for module in _WRAPPER_MODULES:
         for f in list(vars(module).values()):
-            if isinstance(f, types.FunctionType) and f.__module__ == module.__name__ \
-                    and draws(f, module):
+            if (
+                isinstance(f, types.FunctionType)
+                and f.__module__ == module.__name__
+                and draws(f, module)
+            ):
                 out.add(f)
     return frozenset(out)

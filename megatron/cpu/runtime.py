@@ -74,7 +74,9 @@ def _cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
 
 
 def _cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    _CUDA_GENERATOR.set_state(new_state.to("cpu", torch.uint8) if new_state.dtype != torch.uint8 else new_state)
+    _CUDA_GENERATOR.set_state(
+        new_state.to("cpu", torch.uint8) if new_state.dtype != torch.uint8 else new_state
+    )
 
 
 def _cuda_manual_seed(seed: int) -> None:
@@ -125,8 +127,13 @@ class _Stream:
 class _Event:
     """Stand-in for ``torch.cuda.Event``; ``elapsed_time`` returns wall-clock milliseconds."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self._t: float | None = None
 
     def record(self, stream: Any = None) -> None:
@@ -150,9 +157,16 @@ def _device_properties(device: Any = None) -> types.SimpleNamespace:
         total = psutil.virtual_memory().total
     except Exception:  # pragma: no cover - psutil is an NVRx dependency
         total = 0
-    return types.SimpleNamespace(name="cpu (megatron.cpu stand-in)", total_memory=total, major=0, minor=0,
-                                 multi_processor_count=os.cpu_count() or 1, is_integrated=False,
-                                 L2_cache_size=0, uuid="cpu")
+    return types.SimpleNamespace(
+        name="cpu (megatron.cpu stand-in)",
+        total_memory=total,
+        major=0,
+        minor=0,
+        multi_processor_count=os.cpu_count() or 1,
+        is_integrated=False,
+        L2_cache_size=0,
+        uuid="cpu",
+    )
 
 
 def _mem_get_info(device: Any = None) -> tuple[int, int]:
@@ -204,8 +218,15 @@ _CUDA_STANDINS: dict[str, Any] = {
     "initial_seed": _cuda_initial_seed,
     "default_generators": (_CUDA_GENERATOR,),
 }
-_CUDA_RANDOM_STANDINS = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed",
-                         "seed_all", "initial_seed")
+_CUDA_RANDOM_STANDINS = (
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "seed_all",
+    "initial_seed",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,7 +358,7 @@ class CudaToCpuMode(TorchFunctionMode):
             name = func(*args)
             if name.startswith("torch.") and not name.startswith("torch.cuda."):
                 _log_once("Tensor.type() (answers torch.cuda.*Tensor)")
-                return "torch.cuda." + name[len("torch."):]
+                return "torch.cuda." + name[len("torch.") :]
             return name
         on_gpu = None  # None: decided by the first tensor argument
         device = kwargs.get("device", None)
@@ -366,8 +387,9 @@ class CudaToCpuMode(TorchFunctionMode):
             # No device named: a factory (no tensor argument) makes a host tensor, as torch's
             # default device is the CPU on a GPU machine too; otherwise the op runs on the GPU if
             # any tensor argument is a GPU one (mixing is legal on GPU only for 0-dim host ones).
-            on_gpu = target is not None and not (_HOST and _in_host(target) and
-                                                 not _any_gpu_tensor(args, kwargs))
+            on_gpu = target is not None and not (
+                _HOST and _in_host(target) and not _any_gpu_tensor(args, kwargs)
+            )
         if func in _RANDOM[0] and kwargs.get("generator") is None and on_gpu:
             with cuda_generator_as_default():
                 out = func(*args, **kwargs)
@@ -376,8 +398,9 @@ class CudaToCpuMode(TorchFunctionMode):
         if on_gpu:
             if func is _T.to and out is target:
                 _discard_host(target)
-        elif out is not target and (target is None or func in _TO_HOST or _in_host(target)
-                                    or device is not None):  # a host op: its results stay on host
+        elif out is not target and (
+            target is None or func in _TO_HOST or _in_host(target) or device is not None
+        ):  # a host op: its results stay on host
             _mark_host(out)
         return out
 
@@ -418,8 +441,12 @@ def _install_megatron_patches(p: Patcher) -> None:
         kwargs["allow_no_cuda"] = True
         return upstream_init(*args, **kwargs)
 
-    p.replace(training, "initialize_megatron", initialize_megatron,
-              "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed")
+    p.replace(
+        training,
+        "initialize_megatron",
+        initialize_megatron,
+        "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed",
+    )
 
     upstream_ipg = torch.distributed.init_process_group
 
@@ -432,8 +459,12 @@ def _install_megatron_patches(p: Patcher) -> None:
             kwargs.pop("device_id")
         return upstream_ipg(*args, **kwargs)
 
-    p.replace(torch.distributed, "init_process_group", init_process_group,
-              "_initialize_distributed binds the gloo process group to cuda:<local_rank>")
+    p.replace(
+        torch.distributed,
+        "init_process_group",
+        init_process_group,
+        "_initialize_distributed binds the gloo process group to cuda:<local_rank>",
+    )
 
     upstream_compile = ds_utils.compile_helpers
 
@@ -446,15 +477,23 @@ def _install_megatron_patches(p: Patcher) -> None:
             return upstream_compile()
         _log_once("compile_helpers (prebuilt helpers_cpp used)")
 
-    p.replace(ds_utils, "compile_helpers", compile_helpers,
-              "the wheel ships helpers_cpp prebuilt and no Makefile, so upstream's `make` fails")
+    p.replace(
+        ds_utils,
+        "compile_helpers",
+        compile_helpers,
+        "the wheel ships helpers_cpp prebuilt and no Makefile, so upstream's `make` fails",
+    )
 
     def lazy_call(callback):
         """Run ``callback`` now (CPU backend: CUDA never initialises)."""
         callback()
 
-    p.replace(tp_random, "_lazy_call", lazy_call,
-              "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever on CPU")
+    p.replace(
+        tp_random,
+        "_lazy_call",
+        lazy_call,
+        "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever on CPU",
+    )
 
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
@@ -469,11 +508,17 @@ def _install_megatron_patches(p: Patcher) -> None:
             return tensor.numpy()
         return upstream_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    why = ("MoE all-to-all split sizes stay tensors when is_cuda is False, and the dispatcher "
-           "then fails on them (as_numpy is skipped for CPU tensors)")
+    why = (
+        "MoE all-to-all split sizes stay tensors when is_cuda is False, and the dispatcher "
+        "then fails on them (as_numpy is skipped for CPU tensors)"
+    )
     p.replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu, why)
-    p.replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu,
-              why + " (the dispatcher's own binding)")
+    p.replace(
+        token_dispatcher,
+        "maybe_move_tensor_to_cpu",
+        maybe_move_tensor_to_cpu,
+        why + " (the dispatcher's own binding)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -513,13 +558,21 @@ def activate() -> None:
 
     p = Patcher("cpu")
     for name, value in _CUDA_STANDINS.items():
-        p.replace(torch.cuda, name, _unique(value),
-                  "CPU stand-in: upstream calls torch.cuda directly (devices, streams, RNG, memory)")
+        p.replace(
+            torch.cuda,
+            name,
+            _unique(value),
+            "CPU stand-in: upstream calls torch.cuda directly (devices, streams, RNG, memory)",
+        )
     import torch.cuda.random as cuda_random
 
     for name in _CUDA_RANDOM_STANDINS:
-        p.replace(cuda_random, name, _unique(_CUDA_STANDINS[name]),
-                  "CPU stand-in: megatron's RNG tracker imports it from torch.cuda.random")
+        p.replace(
+            cuda_random,
+            name,
+            _unique(_CUDA_STANDINS[name]),
+            "CPU stand-in: megatron's RNG tracker imports it from torch.cuda.random",
+        )
     try:
         import torch.cuda.nvtx as nvtx
 
@@ -536,12 +589,20 @@ def activate() -> None:
 
     # Torch function modes are per thread and disabled inside autograd's backward.
     upstream_bootstrap = threading.Thread._bootstrap_inner
-    p.replace(threading.Thread, "_bootstrap_inner", _in_mode(upstream_bootstrap),
-              "torch function modes are per thread: new threads enter the CUDA-to-CPU mode")
+    p.replace(
+        threading.Thread,
+        "_bootstrap_inner",
+        _in_mode(upstream_bootstrap),
+        "torch function modes are per thread: new threads enter the CUDA-to-CPU mode",
+    )
     from torch.autograd.function import BackwardCFunction
 
-    p.replace(BackwardCFunction, "apply", _in_mode(BackwardCFunction.apply),
-              "torch function modes are off inside autograd's backward: it re-enters the mode")
+    p.replace(
+        BackwardCFunction,
+        "apply",
+        _in_mode(BackwardCFunction.apply),
+        "torch function modes are off inside autograd's backward: it re-enters the mode",
+    )
 
     _install_megatron_patches(p)
     _RANDOM[0] = random_callables()
@@ -549,7 +610,9 @@ def activate() -> None:
     mode = CudaToCpuMode()
     mode.__enter__()
     _state.update(active=True, patcher=p, mode=mode)
-    logger.info("cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads())
+    logger.info(
+        "cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads()
+    )
 
 
 def deactivate() -> None:

@@ -57,10 +57,13 @@ def cpu_transformer_layer_spec(model_cfg, vp_stage: int | None = None):
 
     mark = getattr(model_cfg, MARK, None)
     if mark is None:
-        raise ValueError("cpu_transformer_layer_spec: config not adapted by "
-                         "megatron.cpu.specs.adapt_model_config")
-    return cpu_mla_layer_spec(_resolve(mark["base"], model_cfg, vp_stage),
-                              fuse_down_proj=mark["fuse_down_proj"])
+        raise ValueError(
+            "cpu_transformer_layer_spec: config not adapted by "
+            "megatron.cpu.specs.adapt_model_config"
+        )
+    return cpu_mla_layer_spec(
+        _resolve(mark["base"], model_cfg, vp_stage), fuse_down_proj=mark["fuse_down_proj"]
+    )
 
 
 def install() -> None:
@@ -83,9 +86,13 @@ def install() -> None:
             return spec
         return cpu_mla_layer_spec(spec, fuse_down_proj=mark["fuse_down_proj"])
 
-    _patcher.replace(gpt, "mtp_block_spec", cpu_mtp_block_spec,
-                     "the MTP inner layer of an MLA model is rebuilt from the local spec, whose "
-                     "DotProductAttention cannot build MLA")
+    _patcher.replace(
+        gpt,
+        "mtp_block_spec",
+        cpu_mtp_block_spec,
+        "the MTP inner layer of an MLA model is rebuilt from the local spec, whose "
+        "DotProductAttention cannot build MLA",
+    )
     _state["installed"] = True
 
 
@@ -115,15 +122,20 @@ def adapt_model_config(model_cfg) -> None:
         return
     fuse = _fuse(model_cfg)
     if fuse and not getattr(transformer, "q_lora_rank", None):
-        raise ValueError("--cpu: --mla-down-proj-fusion needs --q-lora-rank (the fused down "
-                         "projection holds the q and kv latents)")
+        raise ValueError(
+            "--cpu: --mla-down-proj-fusion needs --q-lora-rank (the fused down "
+            "projection holds the q and kv latents)"
+        )
     from megatron.core.transformer.enums import AttnBackend
 
     if getattr(transformer, "attention_backend", None) == AttnBackend.local:
-        raise ValueError("--cpu: --attention-backend local replaces the core attention by "
-                         "DotProductAttention, which cannot build Multi-Latent Attention; leave "
-                         "the attention backend at its default")
-    object.__setattr__(model_cfg, MARK, {"fuse_down_proj": fuse,
-                                         "base": model_cfg.transformer_layer_spec})
+        raise ValueError(
+            "--cpu: --attention-backend local replaces the core attention by "
+            "DotProductAttention, which cannot build Multi-Latent Attention; leave "
+            "the attention backend at its default"
+        )
+    object.__setattr__(
+        model_cfg, MARK, {"fuse_down_proj": fuse, "base": model_cfg.transformer_layer_spec}
+    )
     model_cfg.transformer_layer_spec = cpu_transformer_layer_spec
     install()

@@ -77,7 +77,8 @@ def apply() -> dict[str, FixStatus]:
     finally:
         if dist.is_available() and dist.is_initialized() and not was_initialized:
             logging.getLogger("megatron.fixes").warning(
-                "a fix left a process group initialised; destroying it")
+                "a fix left a process group initialised; destroying it"
+            )
             dist.destroy_process_group()
         sys.excepthook = hook
 
@@ -88,14 +89,17 @@ def _apply_all() -> dict[str, FixStatus]:
     for fix in fixes():
         if fix.name in off:
             logging.getLogger("megatron.fixes").warning(
-                "fix %s: disabled by $%s: upstream's defect is back", fix.name, DISABLE_ENV)
+                "fix %s: disabled by $%s: upstream's defect is back", fix.name, DISABLE_ENV
+            )
             statuses[fix.name] = fix.status
             continue
         statuses[fix.name] = fix.apply()
     unknown = off - {f.name for f in fixes()}
     if unknown:
-        raise ValueError(f"${DISABLE_ENV} names unknown fixes {sorted(unknown)}; "
-                         f"known: {sorted(f.name for f in fixes())}")
+        raise ValueError(
+            f"${DISABLE_ENV} names unknown fixes {sorted(unknown)}; "
+            f"known: {sorted(f.name for f in fixes())}"
+        )
     return statuses
 
 

@@ -29,8 +29,18 @@ def install_components() -> list[str]:
     from megatron.training_ext import args as fork_args
 
     installed = []
-    argv = ["pretrain_gpt.py", "--non-persistent-ckpt-type", "local", "--loss-log", os.devnull,
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    argv = [
+        "pretrain_gpt.py",
+        "--non-persistent-ckpt-type",
+        "local",
+        "--loss-log",
+        os.devnull,
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+    ]
     if not torch.cuda.is_available():
         argv.append("--cpu")
         if fork_args.prepare_cpu_backend(argv):
@@ -52,11 +62,17 @@ def install_components() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron.fixes", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.fixes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--fixes-only", action="store_true",
-                        help="install and list the fixes only (no CPU backend, no training hooks)")
+    parser.add_argument(
+        "--fixes-only",
+        action="store_true",
+        help="install and list the fixes only (no CPU backend, no training hooks)",
+    )
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     statuses = apply()
@@ -65,21 +81,39 @@ def main(argv: list[str] | None = None) -> int:
     records = REGISTRY.records()
     stacked = REGISTRY.stacked()
     if opts.json:
-        print(json.dumps({
-            "fixes": [{"name": f.name, "title": f.title, "upstream": list(f.upstream_refs),
-                       "package": f.package, "supported": f.supported,
-                       "installed": f.installed_version(), "status": statuses[f.name].value,
-                       "reason": f.reason,
-                       "parts": [{"name": p.name, "title": p.title, "status": p.status.value}
-                                 for p in getattr(f, "parts", ())]} for f in fixes()],
-            "replacements": [r.as_dict() for r in records],
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "fixes": [
+                        {
+                            "name": f.name,
+                            "title": f.title,
+                            "upstream": list(f.upstream_refs),
+                            "package": f.package,
+                            "supported": f.supported,
+                            "installed": f.installed_version(),
+                            "status": statuses[f.name].value,
+                            "reason": f.reason,
+                            "parts": [
+                                {"name": p.name, "title": p.title, "status": p.status.value}
+                                for p in getattr(f, "parts", ())
+                            ],
+                        }
+                        for f in fixes()
+                    ],
+                    "replacements": [r.as_dict() for r in records],
+                },
+                indent=1,
+            )
+        )
         return 0
     for fix in fixes():
         print(f"{fix.name}: {fix.title}")
         print(f"  upstream:  {', '.join(fix.upstream_refs)}")
         print(f"  targets:   {fix.package}{fix.supported} (installed: {fix.installed_version()})")
-        print(f"  status:    {statuses[fix.name].value}" + (f" ({fix.reason})" if fix.reason else ""))
+        print(
+            f"  status:    {statuses[fix.name].value}" + (f" ({fix.reason})" if fix.reason else "")
+        )
         for part in getattr(fix, "parts", ()):
             print(f"  - part {part.name}: {part.title} [{part.status.value}]")
         print()

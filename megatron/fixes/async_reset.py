@@ -20,8 +20,10 @@ from megatron.fixes.registry import wraps_upstream
 
 _MODULE = "megatron.training.async_utils"
 #: Modules holding a module-global ``_results_queue`` (nvrx strategy, mcore strategy).
-_QUEUE_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
-                  "megatron.core.dist_checkpointing.strategies.filesystem_async")
+_QUEUE_MODULES = (
+    "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
 
 
 def _queue_modules() -> list[types.ModuleType]:
@@ -85,8 +87,11 @@ class AsyncResetFix(Fix):
     @staticmethod
     def _reset_drops_real_queue(au) -> bool:
         modules = _queue_modules()
-        saved = ([m._results_queue for m in modules], au._async_calls_queue,
-                 getattr(au, "_results_queue", None))
+        saved = (
+            [m._results_queue for m in modules],
+            au._async_calls_queue,
+            getattr(au, "_results_queue", None),
+        )
         try:
             for m in modules:
                 m._results_queue = _ProbeQueue()
@@ -110,8 +115,9 @@ class AsyncResetFix(Fix):
         cls = modules["AsyncCallsQueue"]
         if "cpu_shm_mode" not in inspect.signature(cls.__init__).parameters:
             return True
-        args = types.SimpleNamespace(async_strategy="nvrx", use_persistent_ckpt_worker=True,
-                                     async_ckpt_use_cpu_shm=True)
+        args = types.SimpleNamespace(
+            async_strategy="nvrx", use_persistent_ckpt_worker=True, async_ckpt_use_cpu_shm=True
+        )
         seen = {}
 
         class Probe:
@@ -151,22 +157,38 @@ class AsyncResetFix(Fix):
                 strategy, modules = au.get_async_strategy(getattr(args, "async_strategy", "nvrx"))
                 cls = modules["AsyncCallsQueue"]
                 kwargs = {}
-                if (strategy == "nvrx" and getattr(args, "async_ckpt_use_cpu_shm", False)
-                        and "cpu_shm_mode" in inspect.signature(cls.__init__).parameters):
+                if (
+                    strategy == "nvrx"
+                    and getattr(args, "async_ckpt_use_cpu_shm", False)
+                    and "cpu_shm_mode" in inspect.signature(cls.__init__).parameters
+                ):
                     kwargs["cpu_shm_mode"] = True
                 au._async_calls_queue = cls(
-                    persistent=getattr(args, "use_persistent_ckpt_worker", False), **kwargs)
+                    persistent=getattr(args, "use_persistent_ckpt_worker", False), **kwargs
+                )
             return au._async_calls_queue
 
-        patcher.replace(au, "reset_persistent_async_worker", reset_persistent_async_worker,
-                        "the module-global results queue keeps the aborted save's write results, "
-                        "which the next save's finalisation takes: its metadata describes other files")
-        patcher.replace(au, "_get_async_calls_queue", _get_async_calls_queue,
-                        "the queue rebuilt after a reset drops --async-ckpt-use-cpu-shm: on CPU its "
-                        "worker initialises CUDA, dies, and the trainer waits for it forever")
+        patcher.replace(
+            au,
+            "reset_persistent_async_worker",
+            reset_persistent_async_worker,
+            "the module-global results queue keeps the aborted save's write results, "
+            "which the next save's finalisation takes: its metadata describes other files",
+        )
+        patcher.replace(
+            au,
+            "_get_async_calls_queue",
+            _get_async_calls_queue,
+            "the queue rebuilt after a reset drops --async-ckpt-use-cpu-shm: on CPU its "
+            "worker initialises CUDA, dies, and the trainer waits for it forever",
+        )
         restart = importlib.import_module("megatron.training.inprocess_restart")
-        patcher.replace(restart, "reset_persistent_async_worker", reset_persistent_async_worker,
-                        "in-process restart's AbortCheckpoint calls it through that name")
+        patcher.replace(
+            restart,
+            "reset_persistent_async_worker",
+            reset_persistent_async_worker,
+            "in-process restart's AbortCheckpoint calls it through that name",
+        )
 
 
 FIX = AsyncResetFix()

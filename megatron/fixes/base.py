@@ -66,8 +66,10 @@ class _FixPatcher(Patcher):
     def replace(self, obj: Any, name: str, new: Any, why: str | None = None) -> Any:
         if why is None:
             declared = type(self._fix).__dict__.get("patches", ())
-            why = next((p.why for p in declared if p.target.rsplit(".", 1)[-1] == name),
-                       f"part of fix {self._fix.name}: {self._fix.title}")
+            why = next(
+                (p.why for p in declared if p.target.rsplit(".", 1)[-1] == name),
+                f"part of fix {self._fix.name}: {self._fix.title}",
+            )
         return super().replace(obj, name, new, why)
 
 
@@ -164,7 +166,10 @@ class Fix(abc.ABC):
         self.status, self.reason = FixStatus.ACTIVE, f"{self.package} {version}"
         logger.info(
             "fix %s: installed on %s %s (%s): %s",
-            self.name, self.package, version, ", ".join(self.upstream_refs),
+            self.name,
+            self.package,
+            version,
+            ", ".join(self.upstream_refs),
             "; ".join(p.target for p in self.patches),
         )
         return self.status

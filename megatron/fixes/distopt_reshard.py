@@ -20,7 +20,6 @@ import torch
 from megatron.fixes.base import Fix, Patcher
 from megatron.fixes.registry import wraps_upstream
 
-
 #: The part of upstream's refusal (``load_checkpoint``) that names the flag that changes nothing.
 UPSTREAM_ADVICE = "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving."
 _REFUSAL = ": not supported for DistributedOptimizer with sharding type"
@@ -67,7 +66,13 @@ def upstream_copy_needs_step() -> bool:
         config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
         optimizer=SimpleNamespace(
             param_groups=[{"params": [main]}],
-            state={main: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}},
+            state={
+                main: {
+                    "step": torch.tensor(3.0),
+                    "exp_avg": torch.zeros(4),
+                    "exp_avg_sq": torch.zeros(4),
+                }
+            },
         ),
     )
     src = {"param": torch.ones(4), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}
@@ -84,8 +89,10 @@ def upstream_copy_needs_step() -> bool:
 
 class DistOptReshardFix(Fix):
     name = "distopt_reshard"
-    title = ("fully-reshardable distributed-optimizer checkpoints load without apex/TE; the TP/PP "
-             "refusal names the flag that works")
+    title = (
+        "fully-reshardable distributed-optimizer checkpoints load without apex/TE; the TP/PP "
+        "refusal names the flag that works"
+    )
     upstream_refs = (
         "megatron-core DistributedOptimizer.load_parameter_state_from_fully_reshardable -> "
         "_set_main_param_and_optimizer_states: KeyError 'step' with torch Adam",
@@ -121,8 +128,12 @@ class DistOptReshardFix(Fix):
                 tensors = {**tensors, "step": None}
             return upstream_set(self, model_param, tensors)
 
-        patcher.replace(D, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states,
-                        "fully-reshardable loads raise KeyError: 'step' on every rank with torch Adam")
+        patcher.replace(
+            D,
+            "_set_main_param_and_optimizer_states",
+            _set_main_param_and_optimizer_states,
+            "fully-reshardable loads raise KeyError: 'step' on every rank with torch Adam",
+        )
 
         upstream_load = checkpointing.load_checkpoint
 
@@ -138,12 +149,20 @@ class DistOptReshardFix(Fix):
                 # from None: upstream's text, chained, would repeat the advice that does not work.
                 raise RuntimeError(better) from None
 
-        patcher.replace(checkpointing, "load_checkpoint", load_checkpoint,
-                        "the refusal to change TP/PP names --ckpt-fully-parallel-save, which has "
-                        "no effect; the replacement names the flags that work")
+        patcher.replace(
+            checkpointing,
+            "load_checkpoint",
+            load_checkpoint,
+            "the refusal to change TP/PP names --ckpt-fully-parallel-save, which has "
+            "no effect; the replacement names the flags that work",
+        )
         if getattr(training, "load_checkpoint", None) is upstream_load:
-            patcher.replace(training, "load_checkpoint", load_checkpoint,
-                            "pretrain() calls the load_checkpoint it imported by name")
+            patcher.replace(
+                training,
+                "load_checkpoint",
+                load_checkpoint,
+                "pretrain() calls the load_checkpoint it imported by name",
+            )
 
 
 FIX = DistOptReshardFix()

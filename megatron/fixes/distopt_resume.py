@@ -18,7 +18,6 @@ from megatron.fixes.base import Fix, Patcher
 from megatron.fixes.registry import wraps_upstream
 
 
-
 class DistOptResumeFix(Fix):
     name = "distopt_resume"
     title = "distributed-optimizer resume without apex/TE and with fp32 params"
@@ -58,8 +57,12 @@ class DistOptResumeFix(Fix):
                 out["grad_scaler"] = self.grad_scaler.state_dict()
             return out
 
-        patcher.replace(D, "state_dict", state_dict,
-                        "resume without apex/TE asserts on the empty state of a fresh torch Adam")
+        patcher.replace(
+            D,
+            "state_dict",
+            state_dict,
+            "resume without apex/TE asserts on the empty state of a fresh torch Adam",
+        )
         upstream_load = D.load_state_dict
 
         @wraps_upstream(upstream_load)
@@ -70,17 +73,23 @@ class DistOptResumeFix(Fix):
                 return result  # apex/TE keep step per group; or the template pass before the load
             steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
             if len(steps) != 1:
-                raise RuntimeError(f"distributed optimizer checkpoint holds param-group steps {steps}; "
-                                   "expected exactly one (all groups advance together)")
+                raise RuntimeError(
+                    f"distributed optimizer checkpoint holds param-group steps {steps}; "
+                    "expected exactly one (all groups advance together)"
+                )
             step = float(steps.pop())
             for state in self.optimizer.state.values():
                 if "step" in state:
                     state["step"] = torch.tensor(step, dtype=torch.float32)
             return result
 
-        patcher.replace(D, "load_state_dict", load_state_dict,
-                        "one shared step tensor, later overwritten by the template's 0, restarts "
-                        "Adam's bias correction after resume")
+        patcher.replace(
+            D,
+            "load_state_dict",
+            load_state_dict,
+            "one shared step tensor, later overwritten by the template's 0, restarts "
+            "Adam's bias correction after resume",
+        )
         upstream_set = D._set_main_param_and_optimizer_states
 
         @wraps_upstream(upstream_set)
@@ -89,9 +98,12 @@ class DistOptResumeFix(Fix):
             with torch.no_grad():
                 return upstream_set(self, *args, **kwargs)
 
-        patcher.replace(D, "_set_main_param_and_optimizer_states",
-                        _set_main_param_and_optimizer_states,
-                        "fp32 resume copy_()s into views of leaf parameters with autograd on")
+        patcher.replace(
+            D,
+            "_set_main_param_and_optimizer_states",
+            _set_main_param_and_optimizer_states,
+            "fp32 resume copy_()s into views of leaf parameters with autograd on",
+        )
 
 
 FIX = DistOptResumeFix()

@@ -54,7 +54,9 @@ def escape_help(parser: argparse.ArgumentParser) -> list[str]:
 class HelpTextFix(Fix):
     name = "help_text"
     title = "--help works: bare % in upstream help strings escaped"
-    upstream_refs = ("megatron-core arguments.py --moe-paged-stash-buffer-size-factor-cuda help '10%)'",)
+    upstream_refs = (
+        "megatron-core arguments.py --moe-paged-stash-buffer-size-factor-cuda help '10%)'",
+    )
     package = "megatron-core"
     supported = "==0.19.2"
 
@@ -75,8 +77,12 @@ class HelpTextFix(Fix):
             escape_help(parser)
             return parser
 
-        patcher.replace(arguments, "add_megatron_arguments", add_megatron_arguments,
-                        "an unescaped % in a help string makes argparse raise ValueError on --help")
+        patcher.replace(
+            arguments,
+            "add_megatron_arguments",
+            add_megatron_arguments,
+            "an unescaped % in a help string makes argparse raise ValueError on --help",
+        )
 
 
 FIX = HelpTextFix()

@@ -35,8 +35,9 @@ _MCORE_PLUGIN = "modelopt.torch.opt.plugins.mcore_dist_checkpointing"
 _LOCAL_SKIP_MESSAGE = "Local checkpointing does not support nvidia_modelopt"
 
 #: True while ``save_checkpoint`` writes a local (non-persistent, per-rank) checkpoint.
-_LOCAL_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("modelopt_state_local_save",
-                                                                   default=False)
+_LOCAL_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "modelopt_state_local_save", default=False
+)
 #: ModelOpt state read from a local checkpoint by the first (``rank0=True``) base load of
 #: ``load_checkpoint``, waiting for the model that ``generate_state_dict`` gets next.
 _PENDING_LOCAL_RESTORE: dict[str, Any] = {}
@@ -73,11 +74,15 @@ def _restore_from_local(model: list, states: dict[str, Any], checkpoint_name: An
             raise RuntimeError(
                 f"ModelOpt replaced the root module of model chunk {i} while restoring the state "
                 f"of local checkpoint {checkpoint_name}; the chunk is already wrapped (DDP), so "
-                "the replacement cannot be installed")
+                "the replacement cannot be installed"
+            )
         restored.append(i)
     if restored:
-        logger.info("modelopt_state: restored ModelOpt state of local checkpoint %s into model "
-                    "chunk(s) %s", checkpoint_name, restored)
+        logger.info(
+            "modelopt_state: restored ModelOpt state of local checkpoint %s into model chunk(s) %s",
+            checkpoint_name,
+            restored,
+        )
         print_quant_summary(model, f"restored from local checkpoint {checkpoint_name}")
 
 
@@ -145,8 +150,11 @@ def _wrap_load_base_checkpoint(original: Callable) -> Callable:
         state_dict, checkpoint_name, _release, ckpt_type = result
         ckpt = sys.modules[_CKPT]
         if ckpt_type == ckpt.CheckpointType.LOCAL and isinstance(state_dict, dict):
-            states = {k: v for k, v in state_dict.items()
-                      if k == "modelopt_state" or k.startswith("modelopt_state_")}
+            states = {
+                k: v
+                for k, v in state_dict.items()
+                if k == "modelopt_state" or k.startswith("modelopt_state_")
+            }
             if states:
                 _PENDING_LOCAL_RESTORE["state"] = (states, checkpoint_name)
         return result
@@ -180,10 +188,11 @@ class ModeloptStateFix(Fix):
 
     name = "modelopt_state"
     title = "ModelOpt state saved in persistent and local checkpoints of quantized models"
-    upstream_refs = ("megatron-core 0.19.2 checkpointing: has_nvidia_modelopt needs "
-                     "megatron.post_training, which 0.19.2 does not ship",
-                     "megatron-core save_checkpoint: 'Local checkpointing does not support "
-                     "nvidia_modelopt'")
+    upstream_refs = (
+        "megatron-core 0.19.2 checkpointing: has_nvidia_modelopt needs "
+        "megatron.post_training, which 0.19.2 does not ship",
+        "megatron-core save_checkpoint: 'Local checkpointing does not support nvidia_modelopt'",
+    )
     package = "megatron-core"
     supported = "==0.19.2"
 
@@ -200,28 +209,45 @@ class ModeloptStateFix(Fix):
         plugin = importlib.import_module(_MCORE_PLUGIN)
 
         if not getattr(ckpt, "has_nvidia_modelopt", False):
-            why = ("upstream's ModelOpt checkpoint code is guarded by an import of "
-                   "megatron.post_training, absent from 0.19.2: quantized models were "
-                   "checkpointed without modelopt_state and resumed unquantized")
+            why = (
+                "upstream's ModelOpt checkpoint code is guarded by an import of "
+                "megatron.post_training, absent from 0.19.2: quantized models were "
+                "checkpointed without modelopt_state and resumed unquantized"
+            )
             patcher.replace(ckpt, "save_modelopt_state", plugin.save_modelopt_state, why=why)
-            patcher.replace(ckpt, "save_sharded_modelopt_state",
-                            plugin.save_sharded_modelopt_state, why=why)
-            patcher.replace(ckpt, "print_distributed_quant_summary", print_quant_summary,
-                            why="the quantizer summary upstream prints after loading comes from "
-                                "megatron.post_training, absent from 0.19.2")
+            patcher.replace(
+                ckpt, "save_sharded_modelopt_state", plugin.save_sharded_modelopt_state, why=why
+            )
+            patcher.replace(
+                ckpt,
+                "print_distributed_quant_summary",
+                print_quant_summary,
+                why="the quantizer summary upstream prints after loading comes from "
+                "megatron.post_training, absent from 0.19.2",
+            )
             patcher.replace(ckpt, "has_nvidia_modelopt", True, why=why)
 
-        local_why = ("local (non-persistent) checkpoints skipped the ModelOpt state, so a run "
-                     "recovered from a local checkpoint or its replica resumed unquantized")
+        local_why = (
+            "local (non-persistent) checkpoints skipped the ModelOpt state, so a run "
+            "recovered from a local checkpoint or its replica resumed unquantized"
+        )
         original_save = ckpt.save_checkpoint
         wrapped_save = _wrap_save_checkpoint(original_save)
         patcher.replace(ckpt, "save_checkpoint", wrapped_save, why=local_why)
         if getattr(training, "save_checkpoint", None) is original_save:  # training's own binding
             patcher.replace(training, "save_checkpoint", wrapped_save, why=local_why)
-        patcher.replace(ckpt, "generate_state_dict",
-                        _wrap_generate_state_dict(ckpt.generate_state_dict), why=local_why)
-        patcher.replace(ckpt, "_load_base_checkpoint",
-                        _wrap_load_base_checkpoint(ckpt._load_base_checkpoint), why=local_why)
+        patcher.replace(
+            ckpt,
+            "generate_state_dict",
+            _wrap_generate_state_dict(ckpt.generate_state_dict),
+            why=local_why,
+        )
+        patcher.replace(
+            ckpt,
+            "_load_base_checkpoint",
+            _wrap_load_base_checkpoint(ckpt._load_base_checkpoint),
+            why=local_why,
+        )
 
 
 FIX = ModeloptStateFix()

@@ -21,9 +21,9 @@ from megatron.fixes.base import Fix, Patcher
 from megatron.fixes.registry import wraps_upstream
 
 
-
-def run_non_persistent_iteration(args: Any, load_dir: Optional[str],
-                                 checkpointing_context: Optional[dict]) -> int:
+def run_non_persistent_iteration(
+    args: Any, load_dir: Optional[str], checkpointing_context: Optional[dict]
+) -> int:
     """The newest non-persistent iteration of this run, as upstream's loader would find it.
 
     Args:
@@ -56,9 +56,13 @@ def run_non_persistent_iteration(args: Any, load_dir: Optional[str],
 
 class PretrainedRedirectFix(Fix):
     name = "pretrained_redirect"
-    title = "a restart with only non-persistent checkpoints resumes them, not --pretrained-checkpoint"
-    upstream_refs = ("Megatron-Bridge PR 4900 (same defect class)",
-                     "megatron-core load_checkpoint: checkpoint_exists() reads only the persistent tracker")
+    title = (
+        "a restart with only non-persistent checkpoints resumes them, not --pretrained-checkpoint"
+    )
+    upstream_refs = (
+        "Megatron-Bridge PR 4900 (same defect class)",
+        "megatron-core load_checkpoint: checkpoint_exists() reads only the persistent tracker",
+    )
     package = "megatron-core"
     supported = "==0.19.2"
 
@@ -87,26 +91,39 @@ class PretrainedRedirectFix(Fix):
             load_dir = getattr(args, load_arg, None)
             if pretrained is None or ckpt.checkpoint_exists(load_dir):
                 return upstream(*a, **kw)
-            context = kw.get("checkpointing_context", a[context_pos] if len(a) > context_pos else None)
+            context = kw.get(
+                "checkpointing_context", a[context_pos] if len(a) > context_pos else None
+            )
             iteration = run_non_persistent_iteration(args, load_dir, context)
             if iteration < 0:
-                return upstream(*a, **kw)  # the run has no checkpoint: start from the pretrained one
+                return upstream(
+                    *a, **kw
+                )  # the run has no checkpoint: start from the pretrained one
             ckpt.print_rank_0(
                 f"[resume] this run has a {args.non_persistent_ckpt_type} non-persistent checkpoint "
                 f"at iteration {iteration} and no persistent one in {load_dir}: resuming it; "
-                f"--pretrained-checkpoint {pretrained} is used only when the run has no checkpoint")
+                f"--pretrained-checkpoint {pretrained} is used only when the run has no checkpoint"
+            )
             args.pretrained_checkpoint = None
             try:
                 return upstream(*a, **kw)
             finally:
                 args.pretrained_checkpoint = pretrained
 
-        patcher.replace(ckpt, "load_checkpoint", load_checkpoint,
-                        "a restart after only non-persistent saves starts over from the "
-                        "--pretrained-checkpoint weights instead of the run's newest checkpoint")
+        patcher.replace(
+            ckpt,
+            "load_checkpoint",
+            load_checkpoint,
+            "a restart after only non-persistent saves starts over from the "
+            "--pretrained-checkpoint weights instead of the run's newest checkpoint",
+        )
         if getattr(training, "load_checkpoint", None) is upstream:
-            patcher.replace(training, "load_checkpoint", load_checkpoint,
-                            "pretrain() calls load_checkpoint through training's own import")
+            patcher.replace(
+                training,
+                "load_checkpoint",
+                load_checkpoint,
+                "pretrain() calls load_checkpoint through training's own import",
+            )
 
 
 FIX = PretrainedRedirectFix()

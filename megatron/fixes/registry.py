@@ -73,8 +73,9 @@ class PatchRegistry:
         self._entries: list[_Entry] = []
         self._lock = threading.Lock()
 
-    def replace(self, obj: Any, name: str, new: Any, *, owner: str, why: str,
-                token: object = None) -> Any:
+    def replace(
+        self, obj: Any, name: str, new: Any, *, owner: str, why: str, token: object = None
+    ) -> Any:
         """Set ``obj.name = new`` and record it.
 
         Args:
@@ -98,8 +99,14 @@ class PatchRegistry:
         target = f"{dotted_name(obj)}.{name}"
         with self._lock:
             depth = 1 + sum(1 for e in self._entries if e.obj is obj and e.name == name)
-            record = PatchRecord(target, dotted_name(new), owner, why,
-                                 adds_attribute=not hasattr(obj, name), depth=depth)
+            record = PatchRecord(
+                target,
+                dotted_name(new),
+                owner,
+                why,
+                adds_attribute=not hasattr(obj, name),
+                depth=depth,
+            )
             self._entries.append(_Entry(obj, name, old, new, had, record, token))
         setattr(obj, name, new)
         return old
@@ -108,8 +115,12 @@ class PatchRegistry:
         """Undo the replacements of ``owner`` (every owner if None; only those made through
         ``token`` if given), newest first."""
         with self._lock:
-            mine = [e for e in self._entries if (owner is None or e.record.owner == owner)
-                    and (token is None or e.token is token)]
+            mine = [
+                e
+                for e in self._entries
+                if (owner is None or e.record.owner == owner)
+                and (token is None or e.token is token)
+            ]
             self._entries = [e for e in self._entries if e not in mine]
         for e in reversed(mine):
             if e.had:

@@ -32,7 +32,9 @@ def first_line_is_interval_line(iteration: int, log_interval: int | None) -> boo
 class TrainingLogFix(Fix):
     name = "training_log"
     title = "printed loss of the first interval line after a start is reset like every other"
-    upstream_refs = ("megatron-core training.py training_log: should_reset = not is_first_iteration",)
+    upstream_refs = (
+        "megatron-core training.py training_log: should_reset = not is_first_iteration",
+    )
     package = "megatron-core"
     supported = "==0.19.2"
 
@@ -42,8 +44,7 @@ class TrainingLogFix(Fix):
         return _DEFECT not in inspect.getsource(training.training_log)
 
     def install(self, patcher: Patcher) -> None:
-        from megatron.training import training
-        from megatron.training import global_vars
+        from megatron.training import global_vars, training
 
         upstream = training.training_log
         position = list(inspect.signature(upstream).parameters).index("is_first_iteration")
@@ -56,17 +57,24 @@ class TrainingLogFix(Fix):
                 first = args[position]
             else:
                 first = kwargs.get("is_first_iteration", False)
-            if first and iteration is not None and first_line_is_interval_line(
-                    iteration, global_vars.get_args().log_interval):
+            if (
+                first
+                and iteration is not None
+                and first_line_is_interval_line(iteration, global_vars.get_args().log_interval)
+            ):
                 if len(args) > position:
-                    args = args[:position] + (False,) + args[position + 1:]
+                    args = args[:position] + (False,) + args[position + 1 :]
                 else:
                     kwargs["is_first_iteration"] = False
             return upstream(*args, **kwargs)
 
-        patcher.replace(training, "training_log", training_log,
-                        "the first log line after a start is not reset even when it is an interval "
-                        "line, so the next printed loss and time average two intervals")
+        patcher.replace(
+            training,
+            "training_log",
+            training_log,
+            "the first log line after a start is not reset even when it is an interval "
+            "line, so the next printed loss and time average two intervals",
+        )
 
 
 FIX = TrainingLogFix()

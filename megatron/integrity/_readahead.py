@@ -38,8 +38,12 @@ class ReadAhead:
     then read the pages themselves).
     """
 
-    def __init__(self, enabled: bool = True, block_bytes: int = 8 * 1024 * 1024,
-                 max_ahead_bytes: int = 1024 * 1024 * 1024):
+    def __init__(
+        self,
+        enabled: bool = True,
+        block_bytes: int = 8 * 1024 * 1024,
+        max_ahead_bytes: int = 1024 * 1024 * 1024,
+    ):
         self.enabled = enabled and hasattr(os, "preadv")
         self._block = int(block_bytes)
         self._max_ahead = int(max_ahead_bytes)
@@ -111,7 +115,11 @@ class ReadAhead:
                     return
                 ticket, path, off, length = item
                 with self._cond:  # bounded look-ahead
-                    while (not self._stop and self._cum[ticket] - self._cum[max(self._wanted, 0) + 1] > self._max_ahead):
+                    while (
+                        not self._stop
+                        and self._cum[ticket] - self._cum[max(self._wanted, 0) + 1]
+                        > self._max_ahead
+                    ):
                         self._cond.wait()
                 try:
                     if path not in fds:

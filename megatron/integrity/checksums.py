@@ -141,12 +141,16 @@ def checksum_bytes(data: Any) -> int:
 
 def _check_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+        raise ValueError(
+            f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})"
+        )
 
 
 def _check_plain(t: torch.Tensor, what: str) -> None:
     if is_quantized(t):
-        raise TypeError(f"{what} got a quantized tensor ({type(t).__name__}); hash its dequantize()")
+        raise TypeError(
+            f"{what} got a quantized tensor ({type(t).__name__}); hash its dequantize()"
+        )
     if t.device.type == "meta":
         raise ValueError(f"{what}: a meta tensor has no data")
     if t.layout is not torch.strided:
@@ -302,7 +306,9 @@ def get_record(state_dict: Any) -> Optional[dict]:
         or record.get("algorithm") not in ALGORITHMS
         or not isinstance(record.get("entries"), list)
     ):
-        raise ValueError(f"unrecognised checksum record on {type(state_dict).__name__}: {record!r:.200}")
+        raise ValueError(
+            f"unrecognised checksum record on {type(state_dict).__name__}: {record!r:.200}"
+        )
     version = record.get("version")
     if version not in FORMAT_VERSIONS or (version == 1 and record["algorithm"] != ALGORITHM):
         raise ValueError(
@@ -311,12 +317,16 @@ def get_record(state_dict: Any) -> Optional[dict]:
             f"{', '.join(ALGORITHMS)})"
         )
     out = dict(record)
-    out["entries"] = [dict(e, algorithm=record["algorithm"]) if isinstance(e, Mapping) else e
-                      for e in record["entries"]]
+    out["entries"] = [
+        dict(e, algorithm=record["algorithm"]) if isinstance(e, Mapping) else e
+        for e in record["entries"]
+    ]
     return out
 
 
-def verify_tensor(entry: Mapping, t: torch.Tensor, checksum: Optional[int] = None) -> Optional[Mismatch]:
+def verify_tensor(
+    entry: Mapping, t: torch.Tensor, checksum: Optional[int] = None
+) -> Optional[Mismatch]:
     """Check one tensor against its record entry.
 
     Args:
@@ -331,12 +341,22 @@ def verify_tensor(entry: Mapping, t: torch.Tensor, checksum: Optional[int] = Non
     """
     key, index = entry["key"], entry["index"]
     if is_quantized(t):
-        return Mismatch(key, index, entry["checksum"], None,
-                        f"stored tensor is quantized ({type(t).__name__}), expected a plain tensor")
+        return Mismatch(
+            key,
+            index,
+            entry["checksum"],
+            None,
+            f"stored tensor is quantized ({type(t).__name__}), expected a plain tensor",
+        )
     if dtype_name(t.dtype) != entry["dtype"] or list(t.shape) != list(entry["shape"]):
-        return Mismatch(key, index, entry["checksum"], None,
-                        f"dtype/shape {dtype_name(t.dtype)}{list(t.shape)} differs from the "
-                        f"owner's {entry['dtype']}{list(entry['shape'])}")
+        return Mismatch(
+            key,
+            index,
+            entry["checksum"],
+            None,
+            f"dtype/shape {dtype_name(t.dtype)}{list(t.shape)} differs from the "
+            f"owner's {entry['dtype']}{list(entry['shape'])}",
+        )
     actual = tensor_checksum(t, entry.get("algorithm", ALGORITHM)) if checksum is None else checksum
     if actual != entry["checksum"]:
         return Mismatch(key, index, entry["checksum"], actual, "checksum mismatch")
@@ -356,8 +376,15 @@ def verify_record(record: Mapping, tensors: Sequence[torch.Tensor]) -> list[Mism
     entries = record["entries"]
     out: list[Mismatch] = []
     if len(entries) != len(tensors):
-        out.append(Mismatch("<state dict>", -1, None, None,
-                            f"{len(tensors)} tensors, the record lists {len(entries)}"))
+        out.append(
+            Mismatch(
+                "<state dict>",
+                -1,
+                None,
+                None,
+                f"{len(tensors)} tensors, the record lists {len(entries)}",
+            )
+        )
     default = record.get("algorithm", ALGORITHM)
     for entry, t in zip(entries, tensors):
         m = verify_tensor(entry if "algorithm" in entry else dict(entry, algorithm=default), t)

@@ -27,15 +27,21 @@ class RankFailures(Exception):
         self.failures: dict[int, list[str]] = dict(failures or {})
 
     @classmethod
-    def from_failures(cls, header: str, failures: dict[int, list[str]],
-                      limit: int = MAX_PER_RANK, prefix: str = "  ") -> "RankFailures":
+    def from_failures(
+        cls,
+        header: str,
+        failures: dict[int, list[str]],
+        limit: int = MAX_PER_RANK,
+        prefix: str = "  ",
+    ) -> "RankFailures":
         """An instance whose message is ``header`` then one line per message, ``rank R: msg``
         (at most ``limit`` per rank, then a count of the rest)."""
         return cls(header + "\n" + "\n".join(failure_lines(failures, limit, prefix)), failures)
 
 
-def failure_lines(failures: dict[int, list[str]], limit: int = MAX_PER_RANK,
-                  prefix: str = "") -> list[str]:
+def failure_lines(
+    failures: dict[int, list[str]], limit: int = MAX_PER_RANK, prefix: str = ""
+) -> list[str]:
     """``[f"{prefix}rank R: msg", ...]`` in rank order, at most ``limit`` per rank."""
     lines = []
     for rank in sorted(failures):
@@ -85,9 +91,13 @@ def agree_on_failures(my_failures: Iterable[str], group: Any = None) -> dict[int
     return {ranks[i]: list(msgs) for i, msgs in enumerate(gathered) if msgs}
 
 
-def raise_if_any_failed(my_failures: Iterable[str], header: str,
-                        exc_type: type[RankFailures] = RankFailures, group: Any = None,
-                        limit: int = MAX_PER_RANK) -> None:
+def raise_if_any_failed(
+    my_failures: Iterable[str],
+    header: str,
+    exc_type: type[RankFailures] = RankFailures,
+    group: Any = None,
+    limit: int = MAX_PER_RANK,
+) -> None:
     """Collective: raise ``exc_type`` on every rank of ``group`` if any rank has failures.
 
     Raises:

@@ -23,7 +23,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ALGORITHM", "VERSION", "pmix64", "pmix64_reference", "pmix64_tensor", "triton_available"]
+__all__ = [
+    "ALGORITHM",
+    "VERSION",
+    "pmix64",
+    "pmix64_reference",
+    "pmix64_tensor",
+    "triton_available",
+]
 
 ALGORITHM = "pmix64"
 VERSION = 1
@@ -64,7 +71,7 @@ def pmix64_reference(data: bytes) -> int:
     padded = bytes(data) + b"\0" * (-n % 8)
     s = 0
     for i in range(len(padded) // 8):
-        w = int.from_bytes(padded[8 * i:8 * i + 8], "little")
+        w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
         s = (s + _mix_int(w + (i + 1) * K_POS)) & _MASK
     return _mix_int(s ^ ((n * K_LEN + K_FIN) & _MASK))
 
@@ -112,8 +119,8 @@ def _word_sum_torch(u8: torch.Tensor, n: int) -> torch.Tensor:
             torch.add(u8[b0:b1].view(torch.int64), pos[:m], out=zc)
         else:  # a tail that is not a whole word, or storage not 8-byte aligned: copy the bytes
             zb = zc.view(torch.uint8)
-            zb[b1 - b0:].zero_()
-            zb[:b1 - b0].copy_(u8[b0:b1])
+            zb[b1 - b0 :].zero_()
+            zb[: b1 - b0].copy_(u8[b0:b1])
             zc.add_(pos[:m])
         if w0:
             zc.add_(_signed(w0 * K_POS))
@@ -193,12 +200,16 @@ def pmix64_tensor(t: torch.Tensor, backend: Optional[str] = None) -> torch.Tenso
     if not t.is_contiguous():
         t = t.contiguous()
     n = t.numel() * t.element_size()
-    u8 = t.reshape(-1).view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8, device=t.device)
+    u8 = (
+        t.reshape(-1).view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8, device=t.device)
+    )
     if backend is None:
         backend = "triton" if t.is_cuda and triton_available() else "torch"
     if backend == "triton":
         if not triton_available():
-            raise ValueError("pmix64: the Triton kernel needs Triton and CUDA (or TRITON_INTERPRET=1)")
+            raise ValueError(
+                "pmix64: the Triton kernel needs Triton and CUDA (or TRITON_INTERPRET=1)"
+            )
         s = _word_sum_triton(u8, n) if n else torch.zeros((), dtype=torch.int64, device=t.device)
     elif backend == "torch":
         s = _word_sum_torch(u8, n) if n else torch.zeros((), dtype=torch.int64, device=t.device)

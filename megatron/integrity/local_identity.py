@@ -65,14 +65,39 @@ RUN_ID_FLAG = "--local-tier-run-id"
 
 RUN_SETTINGS: Tuple[str, ...] = (
     # what the run learns from, and how it starts
-    "seed", "data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data",
-    "split", "tokenizer_type", "tokenizer_model", "vocab_size",
+    "seed",
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "mock_data",
+    "split",
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_size",
     # the model
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings",
-    "position_embedding_type", "normalization", "swiglu", "untie_embeddings_and_output_weights",
-    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "multi_latent_attention",
-    "q_lora_rank", "kv_lora_rank", "mtp_num_layers", "fp16", "bf16",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "seq_length",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "mtp_num_layers",
+    "fp16",
+    "bf16",
 )
 """Arguments whose values make up the derived run identity, together with the run token kept in
 ``--save`` (:data:`RUN_TOKEN_FILE`). A requeued or ``ft_launcher``-restarted job has the same
@@ -85,14 +110,27 @@ RUN_TOKEN_FILE = "local_tier_run_token.json"
 """File in ``--save`` holding the run token: created (never overwritten) by rank 0 at the first
 start of a run that uses local checkpoints; a copied or moved ``--save`` keeps it."""
 
-_PATH_SETTINGS = {"data_path", "train_data_path", "valid_data_path", "test_data_path",
-                  "tokenizer_model"}
+_PATH_SETTINGS = {
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "tokenizer_model",
+}
 
 TOPOLOGY_SETTINGS: Tuple[str, ...] = (
-    "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "data_parallel_size", "use_distributed_optimizer",
-    "num_distributed_optimizer_instances", "use_tp_pp_dp_mapping", "non_persistent_local_ckpt_algo",
+    "world_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "data_parallel_size",
+    "use_distributed_optimizer",
+    "num_distributed_optimizer_instances",
+    "use_tp_pp_dp_mapping",
+    "non_persistent_local_ckpt_algo",
 )
 """Arguments that decide which state each rank holds: a local checkpoint is only usable under the
 same values (local files are per-rank shards; they cannot be resharded)."""
@@ -142,8 +180,14 @@ def run_token(save_dir: Optional[str], create: bool) -> Optional[str]:
             os.makedirs(save_dir, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"run_token": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "host": socket.gethostname()}, f)
+                json.dump(
+                    {
+                        "run_token": uuid.uuid4().hex,
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "host": socket.gethostname(),
+                    },
+                    f,
+                )
                 f.flush()
                 os.fsync(f.fileno())
             try:
@@ -157,8 +201,9 @@ def run_token(save_dir: Optional[str], create: bool) -> Optional[str]:
     return None
 
 
-def run_identity(args: Any, token: Optional[str] = None,
-                 settings: Optional[Mapping] = None) -> Tuple[str, str, dict]:
+def run_identity(
+    args: Any, token: Optional[str] = None, settings: Optional[Mapping] = None
+) -> Tuple[str, str, dict]:
     """``(run_id, source, settings)`` of the run configured by ``args`` (Megatron arguments) whose
     ``--save`` holds run token ``token`` (:func:`run_token`).
 
@@ -186,13 +231,29 @@ def topology(args: Any) -> dict:
     return out
 
 
-def make_identity(run_id: str, source: str, settings: Mapping, topo: Mapping, iteration: int,
-                  owner_rank: int, save_token: str, host: str) -> dict:
+def make_identity(
+    run_id: str,
+    source: str,
+    settings: Mapping,
+    topo: Mapping,
+    iteration: int,
+    owner_rank: int,
+    save_token: str,
+    host: str,
+) -> dict:
     """The record stored in every local file of one shard (see the module docstring)."""
-    return {"format": IDENTITY_FORMAT, "version": IDENTITY_VERSION, "run_id": str(run_id),
-            "run_id_source": source, "run_settings": dict(settings), "topology": dict(topo),
-            "iteration": int(iteration), "owner_rank": int(owner_rank),
-            "save_token": str(save_token), "host": str(host)}
+    return {
+        "format": IDENTITY_FORMAT,
+        "version": IDENTITY_VERSION,
+        "run_id": str(run_id),
+        "run_id_source": source,
+        "run_settings": dict(settings),
+        "topology": dict(topo),
+        "iteration": int(iteration),
+        "owner_rank": int(owner_rank),
+        "save_token": str(save_token),
+        "host": str(host),
+    }
 
 
 def get_identity(state_dict: Any) -> Optional[dict]:
@@ -207,36 +268,54 @@ def get_identity(state_dict: Any) -> Optional[dict]:
     if not isinstance(rec, dict) or rec.get("format") != IDENTITY_FORMAT:
         raise ValueError(f"unknown identity record {type(rec).__name__}")
     if rec.get("version") != IDENTITY_VERSION:
-        raise ValueError(f"identity record version {rec.get('version')} (this code reads "
-                         f"{IDENTITY_VERSION})")
+        raise ValueError(
+            f"identity record version {rec.get('version')} (this code reads {IDENTITY_VERSION})"
+        )
     return rec
 
 
 def _differences(stored: Mapping, current: Mapping, limit: int = 4) -> str:
-    diffs = [f"{k} {stored.get(k)!r} (checkpoint) vs {current.get(k)!r} (this run)"
-             for k in sorted(set(stored) | set(current)) if stored.get(k) != current.get(k)]
+    diffs = [
+        f"{k} {stored.get(k)!r} (checkpoint) vs {current.get(k)!r} (this run)"
+        for k in sorted(set(stored) | set(current))
+        if stored.get(k) != current.get(k)
+    ]
     more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
     return ", ".join(diffs[:limit]) + more
 
 
-def identity_problems(rec: Optional[Mapping], run_id: str, settings: Mapping, topo: Mapping,
-                      iteration: int, owner_rank: int) -> List[str]:
+def identity_problems(
+    rec: Optional[Mapping],
+    run_id: str,
+    settings: Mapping,
+    topo: Mapping,
+    iteration: int,
+    owner_rank: int,
+) -> List[str]:
     """Why a file whose record is ``rec`` is not a shard of this run, topology, iteration and
     owner; ``[]`` when it is. Each problem is one sentence naming the settings that differ."""
     if rec is None:
-        return ["written without a run identity (by upstream NVRx or an older version of this "
-                "fork): cannot tell which run it belongs to"]
+        return [
+            "written without a run identity (by upstream NVRx or an older version of this "
+            "fork): cannot tell which run it belongs to"
+        ]
     out = []
     if rec.get("run_id") != run_id:
         what = _differences(rec.get("run_settings") or {}, settings)
-        out.append(f"written by another run (run id {rec.get('run_id')} vs {run_id} here"
-                   + (f": {what}" if what else f"; {rec.get('run_id_source')} vs this run's id")
-                   + f"; {RUN_ID_FLAG} sets the id explicitly)")
+        out.append(
+            f"written by another run (run id {rec.get('run_id')} vs {run_id} here"
+            + (f": {what}" if what else f"; {rec.get('run_id_source')} vs this run's id")
+            + f"; {RUN_ID_FLAG} sets the id explicitly)"
+        )
     if dict(rec.get("topology") or {}) != dict(topo):
-        out.append(f"written under another topology: {_differences(rec.get('topology') or {}, topo)}")
+        out.append(
+            f"written under another topology: {_differences(rec.get('topology') or {}, topo)}"
+        )
     if rec.get("iteration") != iteration or rec.get("owner_rank") != owner_rank:
-        out.append(f"holds rank {rec.get('owner_rank')}'s shard of iteration {rec.get('iteration')}, "
-                   f"its name says rank {owner_rank}, iteration {iteration}")
+        out.append(
+            f"holds rank {rec.get('owner_rank')}'s shard of iteration {rec.get('iteration')}, "
+            f"its name says rank {owner_rank}, iteration {iteration}"
+        )
     return out
 
 

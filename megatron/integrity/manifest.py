@@ -83,7 +83,9 @@ class FileProblem:
         where = f" (bytes {self.start}-{self.end})" if self.start is not None else ""
         held = ""
         if self.holds:
-            shown = ", ".join(self.holds[:4]) + (f", and {len(self.holds) - 4} more" if len(self.holds) > 4 else "")
+            shown = ", ".join(self.holds[:4]) + (
+                f", and {len(self.holds) - 4} more" if len(self.holds) > 4 else ""
+            )
             held = f"; holds {shown}"
         return f"{self.file}: {self.what}{where}{held}"
 
@@ -97,13 +99,20 @@ class CheckpointIntegrityError(_Base):
         problems: one :class:`FileProblem` per finding, sorted by file.
     """
 
-    def __init__(self, checkpoint_dir: Union[str, os.PathLike], problems: Sequence[FileProblem],
-                 detail: str = "", advice: str = "") -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Union[str, os.PathLike],
+        problems: Sequence[FileProblem],
+        detail: str = "",
+        advice: str = "",
+    ) -> None:
         self.checkpoint_dir = str(checkpoint_dir)
         self.problems = tuple(problems)
         self.detail = detail
-        lines = [f"checkpoint {self.checkpoint_dir} failed verification"
-                 f"{' (' + detail + ')' if detail else ''}:"]
+        lines = [
+            f"checkpoint {self.checkpoint_dir} failed verification"
+            f"{' (' + detail + ')' if detail else ''}:"
+        ]
         lines += [f"  {p}" for p in self.problems]
         if advice:
             lines.append(advice)
@@ -163,7 +172,7 @@ def _blocks(path: Path, block_bytes: int) -> Iterable[memoryview]:
             view = memoryview(m)
             try:
                 for off in range(0, size, block_bytes):
-                    part = view[off:off + block_bytes]
+                    part = view[off : off + block_bytes]
                     try:
                         yield part
                     finally:
@@ -227,19 +236,32 @@ def read_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Optional[dict]:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise CheckpointIntegrityError(checkpoint_dir, [FileProblem(INTEGRITY_FNAME, f"unreadable ({e})")])
+        raise CheckpointIntegrityError(
+            checkpoint_dir, [FileProblem(INTEGRITY_FNAME, f"unreadable ({e})")]
+        )
     try:
         man = json.loads(text)
         files = man["files"]
         if not isinstance(files, dict):
             raise ValueError("'files' is not an object")
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointIntegrityError(checkpoint_dir, [FileProblem(INTEGRITY_FNAME, f"not a valid manifest ({e})")])
+        raise CheckpointIntegrityError(
+            checkpoint_dir, [FileProblem(INTEGRITY_FNAME, f"not a valid manifest ({e})")]
+        )
     algo = man.get("algorithm", UPSTREAM_ALGORITHM)
-    if algo not in (ALGORITHM, UPSTREAM_ALGORITHM) or (algo == ALGORITHM and man.get("version") != VERSION):
-        raise CheckpointIntegrityError(checkpoint_dir, [FileProblem(
-            INTEGRITY_FNAME, f"algorithm {algo!r} version {man.get('version')!r} is not known to this "
-                             f"version of the fork (known: {ALGORITHM} v{VERSION}, {UPSTREAM_ALGORITHM})")])
+    if algo not in (ALGORITHM, UPSTREAM_ALGORITHM) or (
+        algo == ALGORITHM and man.get("version") != VERSION
+    ):
+        raise CheckpointIntegrityError(
+            checkpoint_dir,
+            [
+                FileProblem(
+                    INTEGRITY_FNAME,
+                    f"algorithm {algo!r} version {man.get('version')!r} is not known to this "
+                    f"version of the fork (known: {ALGORITHM} v{VERSION}, {UPSTREAM_ALGORITHM})",
+                )
+            ],
+        )
     return man
 
 
@@ -279,15 +301,29 @@ def _check_one(checkpoint_dir: Path, name: str, manifest: dict) -> List[FileProb
         if algo == UPSTREAM_ALGORITHM:
             got = _sha256(path)
             want = manifest["files"][name]
-            return [] if got == want else [FileProblem(
-                name, f"SHA-256 {got[:16]}... differs from integrity.json ({want[:16]}...)", 0, max(size - 1, 0))]
+            return (
+                []
+                if got == want
+                else [
+                    FileProblem(
+                        name,
+                        f"SHA-256 {got[:16]}... differs from integrity.json ({want[:16]}...)",
+                        0,
+                        max(size - 1, 0),
+                    )
+                ]
+            )
         want_size = int(manifest["sizes"][name])
         block = int(manifest.get("block_bytes", BLOCK_BYTES))
         want_blocks = manifest["blocks"][name]
         if size < want_size:
-            return [FileProblem(name, f"truncated: {size} of {want_size} bytes", size, want_size - 1)]
+            return [
+                FileProblem(name, f"truncated: {size} of {want_size} bytes", size, want_size - 1)
+            ]
         if size > want_size:
-            return [FileProblem(name, f"has {size} bytes, {want_size} were saved", want_size, size - 1)]
+            return [
+                FileProblem(name, f"has {size} bytes, {want_size} were saved", want_size, size - 1)
+            ]
         got = hash_file(path, block)
     except OSError as e:
         return [FileProblem(name, f"unreadable ({e})")]
@@ -296,10 +332,18 @@ def _check_one(checkpoint_dir: Path, name: str, manifest: dict) -> List[FileProb
     out = []
     bad = [i for i, (a, b) in enumerate(zip(got.blocks, want_blocks)) if a != b]
     for first, last in _runs(bad):
-        out.append(FileProblem(name, "bytes differ from what was saved (xxh3-64 block digest)",
-                               first * block, min((last + 1) * block, size) - 1))
+        out.append(
+            FileProblem(
+                name,
+                "bytes differ from what was saved (xxh3-64 block digest)",
+                first * block,
+                min((last + 1) * block, size) - 1,
+            )
+        )
     if not out and got.digest != manifest["files"][name]:
-        out.append(FileProblem(name, "file digest differs from integrity.json", 0, max(size - 1, 0)))
+        out.append(
+            FileProblem(name, "file digest differs from integrity.json", 0, max(size - 1, 0))
+        )
     return out
 
 
@@ -314,8 +358,9 @@ def _runs(indices: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
-def check_files(checkpoint_dir: Union[str, os.PathLike], manifest: dict,
-                names: Optional[Sequence[str]] = None) -> List[FileProblem]:
+def check_files(
+    checkpoint_dir: Union[str, os.PathLike], manifest: dict, names: Optional[Sequence[str]] = None
+) -> List[FileProblem]:
     """Check ``names`` (default: every file the manifest lists) against ``manifest``: presence,
     size, then the digests (per block for ``xxh3-64-blocks``, per file for ``sha256``).
 
@@ -340,8 +385,9 @@ def _storage_ranges(checkpoint_dir: Path) -> Dict[str, List[Tuple[int, int, str]
     return out
 
 
-def check_storage_ranges(checkpoint_dir: Union[str, os.PathLike],
-                         names: Optional[Sequence[str]] = None) -> List[FileProblem]:
+def check_storage_ranges(
+    checkpoint_dir: Union[str, os.PathLike], names: Optional[Sequence[str]] = None
+) -> List[FileProblem]:
     """Without a manifest: every data file that ``.metadata`` refers to exists and is long enough
     for the items it places there (a stat per file; no data read).
 
@@ -365,14 +411,23 @@ def check_storage_ranges(checkpoint_dir: Union[str, os.PathLike],
         try:
             size = (d / rel).stat().st_size
         except FileNotFoundError:
-            out.append(FileProblem(rel, "missing (named in .metadata)", holds=_keys(items, 0, need)))
+            out.append(
+                FileProblem(rel, "missing (named in .metadata)", holds=_keys(items, 0, need))
+            )
             continue
         except OSError as e:
             out.append(FileProblem(rel, f"unreadable ({e})"))
             continue
         if size < need:
-            out.append(FileProblem(rel, f"truncated: {size} bytes, .metadata places data up to byte {need - 1}",
-                                   size, need - 1, _keys(items, size, need)))
+            out.append(
+                FileProblem(
+                    rel,
+                    f"truncated: {size} bytes, .metadata places data up to byte {need - 1}",
+                    size,
+                    need - 1,
+                    _keys(items, size, need),
+                )
+            )
     return out
 
 
@@ -395,7 +450,11 @@ def _annotate(checkpoint_dir: Path, problems: Sequence[FileProblem]) -> List[Fil
         if p.holds or p.start is None or p.file not in ranges:
             out.append(p)
         else:
-            out.append(FileProblem(p.file, p.what, p.start, p.end, _keys(ranges[p.file], p.start, p.end + 1)))
+            out.append(
+                FileProblem(
+                    p.file, p.what, p.start, p.end, _keys(ranges[p.file], p.start, p.end + 1)
+                )
+            )
     return out
 
 
@@ -428,8 +487,9 @@ def _rank_world(group=None) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def save_manifest(checkpoint_dir: Union[str, os.PathLike], group=None,
-                  block_bytes: int = BLOCK_BYTES) -> float:
+def save_manifest(
+    checkpoint_dir: Union[str, os.PathLike], group=None, block_bytes: int = BLOCK_BYTES
+) -> float:
     """Write ``integrity.json`` for the files now in ``checkpoint_dir``. Collective: call on every
     rank of ``group`` (default: the world) after all ranks finished writing.
 
@@ -462,7 +522,9 @@ def save_manifest(checkpoint_dir: Union[str, os.PathLike], group=None,
         all_records.update(rec)
         all_errors += err
     if rank == 0 and not all_errors:
-        for n in names:  # files the owner rank did not see (attribute caching on shared file systems)
+        for (
+            n
+        ) in names:  # files the owner rank did not see (attribute caching on shared file systems)
             if n not in all_records:
                 try:
                     all_records[n] = hash_file(d / n, block_bytes)
@@ -472,7 +534,9 @@ def save_manifest(checkpoint_dir: Union[str, os.PathLike], group=None,
             _write_manifest(d, all_records, block_bytes)
     status = _gather(all_errors if rank == 0 else None, group)[0]
     if status:
-        raise CheckpointIntegrityError(d, sorted(status, key=lambda p: p.file), "writing integrity.json")
+        raise CheckpointIntegrityError(
+            d, sorted(status, key=lambda p: p.file), "writing integrity.json"
+        )
     return time.perf_counter() - t0
 
 
@@ -487,8 +551,12 @@ def _assign(sizes: Dict[str, int], world: int) -> List[List[str]]:
     return out
 
 
-def verify_checkpoint_dir(checkpoint_dir: Union[str, os.PathLike], require_manifest: bool = False,
-                          hash_bytes: bool = True, group=None) -> VerifySummary:
+def verify_checkpoint_dir(
+    checkpoint_dir: Union[str, os.PathLike],
+    require_manifest: bool = False,
+    hash_bytes: bool = True,
+    group=None,
+) -> VerifySummary:
     """Verify a checkpoint directory. Collective when ``torch.distributed`` is initialised (call on
     every rank of ``group``): each rank checks a share of the files (balanced by size) and one
     ``all_gather_object`` gives every rank every finding.
@@ -515,11 +583,17 @@ def verify_checkpoint_dir(checkpoint_dir: Union[str, os.PathLike], require_manif
     views = _gather(local[:2], group)
     if any(v[0] == "bad" for v in views) or len({v[1] for v in views}) > 1:
         bad = [r for r, v in enumerate(views) if v[0] == "bad" or v[1] != views[0][1]]
-        problems = list(local[2]) or [FileProblem(INTEGRITY_FNAME, f"unreadable or absent on ranks {bad}")]
+        problems = list(local[2]) or [
+            FileProblem(INTEGRITY_FNAME, f"unreadable or absent on ranks {bad}")
+        ]
         problems = _gather(problems, group)
         merged = sorted({p for ps in problems for p in ps}, key=lambda p: (p.file, p.start or 0))
-        raise CheckpointIntegrityError(d, merged or [FileProblem(INTEGRITY_FNAME, f"differs between ranks {bad}")])
-    summary = VerifySummary(algorithm=None if man is None else man.get("algorithm", UPSTREAM_ALGORITHM))
+        raise CheckpointIntegrityError(
+            d, merged or [FileProblem(INTEGRITY_FNAME, f"differs between ranks {bad}")]
+        )
+    summary = VerifySummary(
+        algorithm=None if man is None else man.get("algorithm", UPSTREAM_ALGORITHM)
+    )
     problems: List[FileProblem] = []
     hashed = 0
     if man is not None:
@@ -536,20 +610,33 @@ def verify_checkpoint_dir(checkpoint_dir: Union[str, os.PathLike], require_manif
                     problems.append(FileProblem(n, "missing (listed in integrity.json)"))
                 elif "sizes" in man and p.stat().st_size != int(man["sizes"][n]):
                     s, w = p.stat().st_size, int(man["sizes"][n])
-                    problems.append(FileProblem(n, f"truncated: {s} of {w} bytes", s, w - 1) if s < w else
-                                    FileProblem(n, f"has {s} bytes, {w} were saved", w, s - 1))
+                    problems.append(
+                        FileProblem(n, f"truncated: {s} of {w} bytes", s, w - 1)
+                        if s < w
+                        else FileProblem(n, f"has {s} bytes, {w} were saved", w, s - 1)
+                    )
     else:
         if require_manifest:
-            problems.append(FileProblem(INTEGRITY_FNAME, "missing: the checkpoint was saved without "
-                                                         "checksums, and --verify-integrity requires them"))
+            problems.append(
+                FileProblem(
+                    INTEGRITY_FNAME,
+                    "missing: the checkpoint was saved without "
+                    "checksums, and --verify-integrity requires them",
+                )
+            )
         if rank == 0 or world == 1:
             problems += check_storage_ranges(d)
-        summary.notes.append("no integrity.json: sizes checked against .metadata, bytes not verified")
+        summary.notes.append(
+            "no integrity.json: sizes checked against .metadata, bytes not verified"
+        )
     found = _gather((problems, hashed), group)
     merged = sorted({p for ps, _ in found for p in ps}, key=lambda p: (p.file, p.start or 0))
     summary.bytes = sum(h for _, h in found)
     summary.seconds = time.perf_counter() - t0
     if merged:
-        raise CheckpointIntegrityError(d, _annotate(d, merged),
-                                       f"integrity.json, {summary.algorithm}" if man is not None else "")
+        raise CheckpointIntegrityError(
+            d,
+            _annotate(d, merged),
+            f"integrity.json, {summary.algorithm}" if man is not None else "",
+        )
     return summary

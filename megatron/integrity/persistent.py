@@ -68,7 +68,9 @@ def _iteration_dirs(root: Path) -> Dict[int, Path]:
     return out
 
 
-def resolve_persistent_dir(path: Union[str, os.PathLike], iteration: Optional[int] = None) -> Tuple[Path, Optional[int]]:
+def resolve_persistent_dir(
+    path: Union[str, os.PathLike], iteration: Optional[int] = None
+) -> Tuple[Path, Optional[int]]:
     """Find the iteration directory of a persistent checkpoint.
 
     Args:
@@ -154,7 +156,9 @@ def _overlap(a_off, a_sz, b_off, b_sz) -> bool:
     return all(ao < bo + bs and bo < ao + asz for ao, asz, bo, bs in zip(a_off, a_sz, b_off, b_sz))
 
 
-def check_chunk_cover(shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> List[str]:
+def check_chunk_cover(
+    shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Sequence[int]]]
+) -> List[str]:
     """Whether ``chunks`` tile a tensor of ``shape`` exactly: every chunk inside the bounds, no two
     chunks overlapping, and together every element covered.
 
@@ -173,7 +177,9 @@ def check_chunk_cover(shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int]
         if len(off) != ndim or len(sz) != ndim:
             errors.append(f"chunk at {list(off)} has {len(off)} axes, the tensor has {ndim}")
         elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, shape)):
-            errors.append(f"chunk at {list(off)} of size {list(sz)} exceeds the global shape {list(shape)}")
+            errors.append(
+                f"chunk at {list(off)} of size {list(sz)} exceeds the global shape {list(shape)}"
+            )
         else:
             good.append((tuple(off), tuple(sz)))
     if ndim == 0:
@@ -219,7 +225,9 @@ class _CallbackPlanner(LoadPlanner):
     def set_up_planner(self, state_dict=None, metadata=None, is_coordinator=False) -> None:
         pass
 
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - not used (plans are built directly)
+    def create_local_plan(
+        self,
+    ) -> LoadPlan:  # pragma: no cover - not used (plans are built directly)
         raise NotImplementedError
 
     def create_global_plan(self, global_plan):  # pragma: no cover
@@ -272,7 +280,9 @@ class PersistentCheckpoint:
         try:
             self.metadata = self.reader.read_metadata()
         except Exception as e:  # corrupt or truncated .metadata
-            raise CheckpointInputError(f"cannot read {self.path / '.metadata'}: {type(e).__name__}: {e}") from e
+            raise CheckpointInputError(
+                f"cannot read {self.path / '.metadata'}: {type(e).__name__}: {e}"
+            ) from e
         self.reader.set_up_storage_reader(self.metadata, True)
         self.tensors: Dict[str, TensorStorageMetadata] = {}
         self.objects: Dict[str, BytesStorageMetadata] = {}
@@ -302,7 +312,9 @@ class PersistentCheckpoint:
 
     def chunk_items(self) -> List[Tuple[str, int, ChunkStorageMetadata]]:
         """``(key, chunk index, chunk)`` of every tensor chunk, sorted by key."""
-        return [(k, i, c) for k in sorted(self.tensors) for i, c in enumerate(self.tensors[k].chunks)]
+        return [
+            (k, i, c) for k in sorted(self.tensors) for i, c in enumerate(self.tensors[k].chunks)
+        ]
 
     def check_metadata(self) -> List[Problem]:
         """Coverage of every tensor's global shape by its chunks, and storage entries (present, inside
@@ -314,13 +326,24 @@ class PersistentCheckpoint:
         problems: List[Problem] = []
         for key in sorted(self.tensors):
             md = self.tensors[key]
-            errs = check_chunk_cover(tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+            errs = check_chunk_cover(
+                tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+            )
             for e in errs:
-                problems.append(Problem("coverage", f"persistent tensor '{key}' {list(md.size)}: {e}",
-                                        role="persistent", key=key, shape=list(md.size),
-                                        dtype=str(md.properties.dtype).removeprefix("torch.")))
+                problems.append(
+                    Problem(
+                        "coverage",
+                        f"persistent tensor '{key}' {list(md.size)}: {e}",
+                        role="persistent",
+                        key=key,
+                        shape=list(md.size),
+                        dtype=str(md.properties.dtype).removeprefix("torch."),
+                    )
+                )
         for key, idx, chunk in self.chunk_items():
-            problems += self._storage_problems(MetadataIndex(key, chunk.offsets, idx), key, list(chunk.offsets))
+            problems += self._storage_problems(
+                MetadataIndex(key, chunk.offsets, idx), key, list(chunk.offsets)
+            )
         for key in sorted(self.objects):
             problems += self._storage_problems(MetadataIndex(key), key, None)
         return problems
@@ -329,26 +352,54 @@ class PersistentCheckpoint:
         info = self.storage.get(index)
         where = f"'{key}'" + (f" chunk at {offsets}" if offsets is not None else "")
         if info is None:
-            return [Problem("storage", f"persistent {where} has no storage entry in .metadata",
-                            role="persistent", key=key, global_offset=offsets)]
+            return [
+                Problem(
+                    "storage",
+                    f"persistent {where} has no storage entry in .metadata",
+                    role="persistent",
+                    key=key,
+                    global_offset=offsets,
+                )
+            ]
         size = self.data_files.get(info.relative_path, -1)
         if size < 0:
-            return [Problem("storage", f"persistent {where}: data file {info.relative_path} is missing",
-                            file=info.relative_path, role="persistent", key=key, global_offset=offsets)]
+            return [
+                Problem(
+                    "storage",
+                    f"persistent {where}: data file {info.relative_path} is missing",
+                    file=info.relative_path,
+                    role="persistent",
+                    key=key,
+                    global_offset=offsets,
+                )
+            ]
         end = int(info.offset) + int(info.length)
         if end > size:
-            return [Problem("storage",
-                            f"persistent {where}: bytes {info.offset}..{end} lie beyond the end of "
-                            f"{info.relative_path} ({size} bytes): the file is truncated",
-                            file=info.relative_path, role="persistent", key=key, global_offset=offsets,
-                            details={"storage_offset": int(info.offset), "storage_length": int(info.length),
-                                     "file_size": size})]
+            return [
+                Problem(
+                    "storage",
+                    f"persistent {where}: bytes {info.offset}..{end} lie beyond the end of "
+                    f"{info.relative_path} ({size} bytes): the file is truncated",
+                    file=info.relative_path,
+                    role="persistent",
+                    key=key,
+                    global_offset=offsets,
+                    details={
+                        "storage_offset": int(info.offset),
+                        "storage_length": int(info.length),
+                        "file_size": size,
+                    },
+                )
+            ]
         return []
 
     def storage_ok(self, index: MetadataIndex) -> bool:
         info = self.storage.get(index)
-        return (info is not None and self.data_files.get(info.relative_path, -1) >= 0
-                and int(info.offset) + int(info.length) <= self.data_files[info.relative_path])
+        return (
+            info is not None
+            and self.data_files.get(info.relative_path, -1) >= 0
+            and int(info.offset) + int(info.length) <= self.data_files[info.relative_path]
+        )
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -377,13 +428,22 @@ class PersistentCheckpoint:
         index = MetadataIndex(key, chunk.offsets)
         info = self.storage.get(index)
         md = self.tensors.get(key)
-        if info is None or md is None or getattr(info, "transform_descriptors", None) or not self.storage_ok(index):
+        if (
+            info is None
+            or md is None
+            or getattr(info, "transform_descriptors", None)
+            or not self.storage_ok(index)
+        ):
             return None
         mm = self._map(info.relative_path)
         if mm is None:
             return None
         view = mapped_tensor(mm, int(info.offset), int(info.length))
-        if view is None or view.dtype != md.properties.dtype or tuple(view.shape) != tuple(chunk.sizes):
+        if (
+            view is None
+            or view.dtype != md.properties.dtype
+            or tuple(view.shape) != tuple(chunk.sizes)
+        ):
             return None
         return view
 
@@ -395,7 +455,9 @@ class PersistentCheckpoint:
             return None
         return self.path / info.relative_path, int(info.offset), int(info.length)
 
-    def _read(self, items: List[ReadItem], planner: LoadPlanner, done: set) -> List[Tuple[ReadItem, BaseException]]:
+    def _read(
+        self, items: List[ReadItem], planner: LoadPlanner, done: set
+    ) -> List[Tuple[ReadItem, BaseException]]:
         """Run ``items`` through ``FileSystemReader.read_data`` in file/offset order. On an error,
         retries the items not yet done one at a time so that each failure is attributed to its
         item. ``done`` is filled by the planner callbacks with ``id(read_item)``.
@@ -432,7 +494,9 @@ class PersistentCheckpoint:
             cache[key] = {tuple(c.offsets): tuple(c.sizes) for c in self.tensors[key].chunks}
         return cache[key]
 
-    def read_regions(self, requests: Sequence[Tuple[str, Sequence[int], Sequence[int]]]) -> List[Union[torch.Tensor, str]]:
+    def read_regions(
+        self, requests: Sequence[Tuple[str, Sequence[int], Sequence[int]]]
+    ) -> List[Union[torch.Tensor, str]]:
         """Read regions of persistent tensors.
 
         Args:
@@ -454,11 +518,15 @@ class PersistentCheckpoint:
                 results[i] = f"key '{key}' is not in the persistent checkpoint"
                 continue
             if len(offsets) != len(md.size):
-                results[i] = (f"'{key}' has {len(md.size)} axes {list(md.size)} in the persistent checkpoint, "
-                              f"the local shard {len(offsets)}")
+                results[i] = (
+                    f"'{key}' has {len(md.size)} axes {list(md.size)} in the persistent checkpoint, "
+                    f"the local shard {len(offsets)}"
+                )
                 continue
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            if tuple(offsets) in self._chunk_sizes(key) and self._chunk_sizes(key)[tuple(offsets)] == tuple(sizes):
+            if tuple(offsets) in self._chunk_sizes(key) and self._chunk_sizes(key)[
+                tuple(offsets)
+            ] == tuple(sizes):
                 view = self.chunk_view(key, chunk)  # the region is exactly one saved chunk
                 if view is not None:
                     results[i] = view
@@ -466,12 +534,16 @@ class PersistentCheckpoint:
             ris = create_read_items_for_chunk_list(key, md, [chunk])
             covered = sum(_volume(ri.lengths) for ri in ris)
             if covered < _volume(sizes):
-                results[i] = (f"the persistent chunks of '{key}' {list(md.size)} cover only {covered} of the "
-                              f"{_volume(sizes)} elements of region offsets={list(offsets)} sizes={list(sizes)}")
+                results[i] = (
+                    f"the persistent chunks of '{key}' {list(md.size)} cover only {covered} of the "
+                    f"{_volume(sizes)} elements of region offsets={list(offsets)} sizes={list(sizes)}"
+                )
                 continue
             results[i] = torch.empty(tuple(sizes), dtype=md.properties.dtype)
             for ri in ris:
-                items.append(dataclasses.replace(ri, dest_index=MetadataIndex(key, tuple(offsets), i)))
+                items.append(
+                    dataclasses.replace(ri, dest_index=MetadataIndex(key, tuple(offsets), i))
+                )
         done: set = set()
 
         def resolve(ri: ReadItem) -> torch.Tensor:
@@ -482,9 +554,13 @@ class PersistentCheckpoint:
 
         for ri, e in self._read(items, _CallbackPlanner(resolve, commit), done):
             info = self.storage.get(ri.storage_index)
-            where = f"{info.relative_path} @ {info.offset}" if info is not None else "no storage entry"
-            results[ri.dest_index.index] = (f"cannot read persistent chunk of '{ri.storage_index.fqn}' at "
-                                            f"{list(ri.storage_index.offset or ())} ({where}): {type(e).__name__}: {e}")
+            where = (
+                f"{info.relative_path} @ {info.offset}" if info is not None else "no storage entry"
+            )
+            results[ri.dest_index.index] = (
+                f"cannot read persistent chunk of '{ri.storage_index.fqn}' at "
+                f"{list(ri.storage_index.offset or ())} ({where}): {type(e).__name__}: {e}"
+            )
         return results
 
     def read_objects(self, keys: Sequence[str]) -> Dict[str, Any]:
@@ -503,9 +579,16 @@ class PersistentCheckpoint:
             if k not in self.objects:
                 out[k] = KeyError(f"'{k}' is not in the persistent checkpoint")
                 continue
-            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k),
-                                  dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(k),
-                                  storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+            items.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=MetadataIndex(k),
+                    dest_offsets=torch.Size((0,)),
+                    storage_index=MetadataIndex(k),
+                    storage_offsets=torch.Size((0,)),
+                    lengths=torch.Size((0,)),
+                )
+            )
         done: set = set()
 
         def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
@@ -519,9 +602,13 @@ class PersistentCheckpoint:
             out[ri.dest_index.fqn] = e
         return out
 
-    def stream_file(self, name: str, on_tensor: Callable[[str, ChunkStorageMetadata, torch.Tensor], None],
-                    on_object: Callable[[str, Any], None],
-                    readahead: Optional[ReadAhead] = None) -> List[Tuple[str, Optional[List[int]], BaseException]]:
+    def stream_file(
+        self,
+        name: str,
+        on_tensor: Callable[[str, ChunkStorageMetadata, torch.Tensor], None],
+        on_object: Callable[[str, Any], None],
+        readahead: Optional[ReadAhead] = None,
+    ) -> List[Tuple[str, Optional[List[int]], BaseException]]:
         """Read every chunk and object stored in data file ``name``, one at a time, in file order.
 
         Args:
@@ -539,12 +626,20 @@ class PersistentCheckpoint:
         chunks: Dict[Tuple[str, tuple], ChunkStorageMetadata] = {}
         for key, _i, c in self.chunk_items():
             chunks[(key, tuple(c.offsets))] = c
-        entries = sorted(((int(info.offset), int(info.length), index) for index, info in self.storage.items()
-                          if info.relative_path == name and self.storage_ok(index)
-                          and (index.fqn in self.tensors or index.fqn in self.objects)),
-                         key=lambda e: e[0])
-        tickets = [readahead.add(self.path / name, off, length) if readahead is not None else -1
-                   for off, length, _ in entries]
+        entries = sorted(
+            (
+                (int(info.offset), int(info.length), index)
+                for index, info in self.storage.items()
+                if info.relative_path == name
+                and self.storage_ok(index)
+                and (index.fqn in self.tensors or index.fqn in self.objects)
+            ),
+            key=lambda e: e[0],
+        )
+        tickets = [
+            readahead.add(self.path / name, off, length) if readahead is not None else -1
+            for off, length, _ in entries
+        ]
         items = []
         for (off, length, index), ticket in zip(entries, tickets):
             if readahead is not None:
@@ -559,12 +654,27 @@ class PersistentCheckpoint:
                     del view
                     continue
                 zeros = torch.Size([0] * len(c.sizes))
-                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zeros,
-                                      storage_index=index, storage_offsets=zeros, lengths=torch.Size(c.sizes)))
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.TENSOR,
+                        dest_index=index,
+                        dest_offsets=zeros,
+                        storage_index=index,
+                        storage_offsets=zeros,
+                        lengths=torch.Size(c.sizes),
+                    )
+                )
             else:
-                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
-                                      storage_index=index, storage_offsets=torch.Size((0,)),
-                                      lengths=torch.Size((0,))))
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.BYTE_IO,
+                        dest_index=index,
+                        dest_offsets=torch.Size((0,)),
+                        storage_index=index,
+                        storage_offsets=torch.Size((0,)),
+                        lengths=torch.Size((0,)),
+                    )
+                )
         done: set = set()
         current: Dict[int, torch.Tensor] = {}
 
@@ -577,7 +687,9 @@ class PersistentCheckpoint:
         def commit(ri: ReadItem, _t) -> None:
             done.add(id(ri))
             t = current.pop(id(ri))
-            on_tensor(ri.dest_index.fqn, chunks[(ri.dest_index.fqn, tuple(ri.dest_index.offset))], t)
+            on_tensor(
+                ri.dest_index.fqn, chunks[(ri.dest_index.fqn, tuple(ri.dest_index.offset))], t
+            )
 
         def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
             done.add(id(ri))
@@ -585,5 +697,11 @@ class PersistentCheckpoint:
             on_object(ri.dest_index.fqn, obj)
 
         failed = self._read(items, _CallbackPlanner(resolve, commit, load_bytes), done)
-        return [(ri.storage_index.fqn, None if ri.storage_index.offset is None else list(ri.storage_index.offset), e)
-                for ri, e in failed]
+        return [
+            (
+                ri.storage_index.fqn,
+                None if ri.storage_index.offset is None else list(ri.storage_index.offset),
+                e,
+            )
+            for ri, e in failed
+        ]

@@ -56,17 +56,24 @@ WARNING_KINDS: Dict[str, str] = {
     "dirty_file": "an unfinished local save (*.dirty.pt) is present",
     "rejected_file": "a local file quarantined by the training run's local tier (<rank>/rejected/) is present",
     "bad_tier_marker": "a bad-tier marker (<rank>/LOCAL_TIER_BAD.json) is present: the next start loads the "
-                       "persistent checkpoint",
+    "persistent checkpoint",
     "incomplete_iteration": "a local iteration lacks some rank's shard (interrupted save) while another local "
-                            "iteration is complete and consistent",
+    "iteration is complete and consistent",
     "object_not_compared": "a local ShardedObject has no persistent counterpart to compare with",
     "not_compared": "a local file is not a Megatron (MCore) tensor-aware state dict: only checksums and NaN/Inf checked",
 }
 """Kinds of :class:`Problem` reported as warnings only."""
 
 #: Kinds that concern one tensor shard of one file and go into the per-key mismatch table.
-SHARD_KINDS = ("value_mismatch", "checksum_mismatch", "nonfinite", "dtype_mismatch", "missing_in_persistent",
-               "object_mismatch", "unreadable")
+SHARD_KINDS = (
+    "value_mismatch",
+    "checksum_mismatch",
+    "nonfinite",
+    "dtype_mismatch",
+    "missing_in_persistent",
+    "object_mismatch",
+    "unreadable",
+)
 
 _NUM_SEGMENT = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -130,7 +137,13 @@ class Problem:
 
     def sort_key(self) -> tuple:
         """Order of problems in a report: kind, file, key, offset, message."""
-        return (self.kind, self.file or "", self.key or "", tuple(self.global_offset or ()), self.message)
+        return (
+            self.kind,
+            self.file or "",
+            self.key or "",
+            tuple(self.global_offset or ()),
+            self.message,
+        )
 
     def to_dict(self) -> dict:
         """The JSON form (every field)."""
@@ -208,7 +221,9 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], max_widt
         return bool(re.fullmatch(r"[-+]?[\d,.]+( ?[kMGT]?i?B)?|[-+]?[\d.]+e[-+]?\d+", s))
 
     def line(r: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if is_num(c) else c.ljust(w) for c, w in zip(r, widths)).rstrip()
+        return "  ".join(
+            c.rjust(w) if is_num(c) else c.ljust(w) for c, w in zip(r, widths)
+        ).rstrip()
 
     out = [line(list(headers)), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in raw]
@@ -297,9 +312,22 @@ class VerifyReport:
             "replica_files": sum(f.role == "replica" for f in self.files),
             "persistent_files": sum(f.role == "persistent" for f in self.files),
         }
-        for name in ("file_bytes", "tensors", "tensors_compared", "tensors_equal", "tensors_mismatched",
-                     "bytes_compared", "bytes_scanned", "checksums_verified", "checksums_failed",
-                     "nonfinite_tensors", "objects_compared", "objects_equal", "objects_skipped", "objects_read"):
+        for name in (
+            "file_bytes",
+            "tensors",
+            "tensors_compared",
+            "tensors_equal",
+            "tensors_mismatched",
+            "bytes_compared",
+            "bytes_scanned",
+            "checksums_verified",
+            "checksums_failed",
+            "nonfinite_tensors",
+            "objects_compared",
+            "objects_equal",
+            "objects_skipped",
+            "objects_read",
+        ):
             s[name] = sum(getattr(f, name) for f in self.files)
         by_kind: Dict[str, int] = {}
         for p in self.problems:
@@ -326,8 +354,16 @@ class VerifyReport:
             if p.kind not in SHARD_KINDS or p.key is None:
                 continue
             pattern, nums = normalize_key(p.key)
-            r = rows.setdefault(pattern, {"key": pattern, "_shards": {}, "_owners": set(), "_holders": set(),
-                                          "_indices": set()})
+            r = rows.setdefault(
+                pattern,
+                {
+                    "key": pattern,
+                    "_shards": {},
+                    "_owners": set(),
+                    "_holders": set(),
+                    "_indices": set(),
+                },
+            )
             shard = (p.file, p.key, tuple(p.global_offset or ()))
             kinds, role = r["_shards"].setdefault(shard, (set(), p.role))
             kinds.add(p.kind)
@@ -345,21 +381,25 @@ class VerifyReport:
                 return sum(1 for kinds, role in shards.values() if pred(kinds, role))
 
             idx = sorted(r["_indices"])
-            out.append({
-                "key": pattern,
-                "shards": len(shards),
-                "value": n(lambda k, _: "value_mismatch" in k),
-                "checksum": n(lambda k, _: "checksum_mismatch" in k),
-                "nonfinite": n(lambda k, _: "nonfinite" in k),
-                "other": n(lambda k, _: bool(k - {"value_mismatch", "checksum_mismatch", "nonfinite"})),
-                "primary": n(lambda _, role: role == "primary"),
-                "replica": n(lambda _, role: role == "replica"),
-                "persistent": n(lambda _, role: role == "persistent"),
-                "owners": _ranks(r["_owners"]),
-                "holders": _ranks(r["_holders"]),
-                "indices": " ".join("(" + ",".join(map(str, i)) + ")" for i in idx[:8])
-                + (f" +{len(idx) - 8}" if len(idx) > 8 else ""),
-            })
+            out.append(
+                {
+                    "key": pattern,
+                    "shards": len(shards),
+                    "value": n(lambda k, _: "value_mismatch" in k),
+                    "checksum": n(lambda k, _: "checksum_mismatch" in k),
+                    "nonfinite": n(lambda k, _: "nonfinite" in k),
+                    "other": n(
+                        lambda k, _: bool(k - {"value_mismatch", "checksum_mismatch", "nonfinite"})
+                    ),
+                    "primary": n(lambda _, role: role == "primary"),
+                    "replica": n(lambda _, role: role == "replica"),
+                    "persistent": n(lambda _, role: role == "persistent"),
+                    "owners": _ranks(r["_owners"]),
+                    "holders": _ranks(r["_holders"]),
+                    "indices": " ".join("(" + ",".join(map(str, i)) + ")" for i in idx[:8])
+                    + (f" +{len(idx) - 8}" if len(idx) > 8 else ""),
+                }
+            )
         return out
 
     def local_iteration_lines(self) -> List[str]:
@@ -376,16 +416,25 @@ class VerifyReport:
         for it in self.local_iterations:
             head = f"  {it['iteration']}: "
             if it["complete"] and it["consistent"]:
-                out.append(head + f"complete and consistent ({it['owners']} shards, {it['files']} files)")
+                out.append(
+                    head + f"complete and consistent ({it['owners']} shards, {it['files']} files)"
+                )
             else:
-                state = ("complete" if it["complete"] else "INCOMPLETE") + ", " + \
-                        ("consistent" if it["consistent"] else "INCONSISTENT")
+                state = (
+                    ("complete" if it["complete"] else "INCOMPLETE")
+                    + ", "
+                    + ("consistent" if it["consistent"] else "INCONSISTENT")
+                )
                 out.append(head + f"{state}: " + "; ".join(it["reasons"]))
         newest = self.newest_complete_iteration
         newer = [it for it in self.local_iterations if newest is None or it["iteration"] > newest]
-        why = "; ".join(f"iteration {it['iteration']}: {'; '.join(it['reasons'])}" for it in reversed(newer))
-        out.append(f"newest complete and consistent local iteration: {'none' if newest is None else newest}"
-                   + (f" ({why})" if why else ""))
+        why = "; ".join(
+            f"iteration {it['iteration']}: {'; '.join(it['reasons'])}" for it in reversed(newer)
+        )
+        out.append(
+            f"newest complete and consistent local iteration: {'none' if newest is None else newest}"
+            + (f" ({why})" if why else "")
+        )
         return out
 
     # ---- serialisation -----------------------------------------------------------------------
@@ -417,8 +466,11 @@ class VerifyReport:
     def format_text(self, max_rows: int = 50) -> str:
         """Summary, the per-key mismatch table, and the first ``max_rows`` problems and warnings."""
         s = self.summary()
-        its = (f"iterations {', '.join(map(str, self.iterations))}" if len(self.iterations) > 1
-               else f"iteration {self.iteration}")
+        its = (
+            f"iterations {', '.join(map(str, self.iterations))}"
+            if len(self.iterations) > 1
+            else f"iteration {self.iteration}"
+        )
         lines = [
             f"Checkpoint verification ({self.mode}), {its}",
             f"  local:      {self.local_dir or '-'}",
@@ -427,8 +479,11 @@ class VerifyReport:
         ]
         persistent_only = self.mode == "persistent"
         rows = [
-            ("files", f"{s['files']} ({s['primary_files']} primary, {s['replica_files']} replica, "
-                      f"{s['persistent_files']} persistent)"),
+            (
+                "files",
+                f"{s['files']} ({s['primary_files']} primary, {s['replica_files']} replica, "
+                f"{s['persistent_files']} persistent)",
+            ),
             ("tensor chunks read" if persistent_only else "tensors", s["tensors"]),
         ]
         if self.mode == "local+persistent":
@@ -439,37 +494,77 @@ class VerifyReport:
                 ("bytes compared", f"{s['bytes_compared']} ({human_bytes(s['bytes_compared'])})"),
             ]
         rows += [
-            ("bytes scanned for NaN/Inf", f"{s['bytes_scanned']} ({human_bytes(s['bytes_scanned'])})"),
+            (
+                "bytes scanned for NaN/Inf",
+                f"{s['bytes_scanned']} ({human_bytes(s['bytes_scanned'])})",
+            ),
             ("tensors with NaN/Inf", s["nonfinite_tensors"]),
         ]
         if not persistent_only:
-            rows += [("checksums verified", s["checksums_verified"]), ("  failed", s["checksums_failed"])]
+            rows += [
+                ("checksums verified", s["checksums_verified"]),
+                ("  failed", s["checksums_failed"]),
+            ]
         if self.mode == "local+persistent":
-            rows.append(("objects compared", f"{s['objects_compared']} ({s['objects_equal']} equal, "
-                                             f"{s['objects_skipped']} not comparable)"))
+            rows.append(
+                (
+                    "objects compared",
+                    f"{s['objects_compared']} ({s['objects_equal']} equal, "
+                    f"{s['objects_skipped']} not comparable)",
+                )
+            )
         if persistent_only:
             rows.append(("objects read", s["objects_read"]))
         if self.manifest is not None:
             m = self.manifest
-            state = ("absent" if not m.get("present") else
-                     "verified" if m.get("verified") else "FAILED" if m.get("verified") is False else "skipped")
+            state = (
+                "absent"
+                if not m.get("present")
+                else "verified"
+                if m.get("verified")
+                else "FAILED"
+                if m.get("verified") is False
+                else "skipped"
+            )
             rows.append(("integrity.json (SHA-256)", f"{state}, {m.get('files', 0)} files"))
         rows.append(("problems", f"{s['problems']} {s['problems_by_kind'] or ''}".strip()))
         rows.append(("warnings", f"{s['warnings']} {s['warnings_by_kind'] or ''}".strip()))
         if self.timing:
             t = self.timing
-            rows.append(("time", f"{t.get('wall_s', 0):.2f} s on {t.get('workers', 1)} process(es), "
-                                 f"{human_bytes(t.get('bytes_read', 0))} read, {t.get('gb_per_s', 0):.3f} GB/s"))
+            rows.append(
+                (
+                    "time",
+                    f"{t.get('wall_s', 0):.2f} s on {t.get('workers', 1)} process(es), "
+                    f"{human_bytes(t.get('bytes_read', 0))} read, {t.get('gb_per_s', 0):.3f} GB/s",
+                )
+            )
         lines.append(format_table(("summary", "value"), rows))
         if self.local_iterations is not None:
             lines += ["", *self.local_iteration_lines()]
         mrows = self.mismatch_rows()
         if mrows:
-            lines += ["", "Bad shards per key (numeric key segments -> *; indices: replaced numbers and "
-                          "prepended-axis offsets, e.g. layer):"]
-            cols = ("key", "shards", "value", "checksum", "nonfinite", "other", "primary", "replica",
-                    "persistent", "owners", "holders", "indices")
-            lines.append(format_table(cols, [[r[c] for c in cols] for r in mrows[:max_rows]], max_width=80))
+            lines += [
+                "",
+                "Bad shards per key (numeric key segments -> *; indices: replaced numbers and "
+                "prepended-axis offsets, e.g. layer):",
+            ]
+            cols = (
+                "key",
+                "shards",
+                "value",
+                "checksum",
+                "nonfinite",
+                "other",
+                "primary",
+                "replica",
+                "persistent",
+                "owners",
+                "holders",
+                "indices",
+            )
+            lines.append(
+                format_table(cols, [[r[c] for c in cols] for r in mrows[:max_rows]], max_width=80)
+            )
             if len(mrows) > max_rows:
                 lines.append(f"... {len(mrows) - max_rows} more keys (see --json)")
         for title, items in (("Problems", self.problems), ("Warnings", self.warnings)):
@@ -479,5 +574,8 @@ class VerifyReport:
                     lines.append(f"  [{p.kind}] {p.message}")
                 if len(items) > max_rows:
                     lines.append(f"  ... {len(items) - max_rows} more (see --json)")
-        lines += ["", "RESULT: " + ("OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))")]
+        lines += [
+            "",
+            "RESULT: " + ("OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))"),
+        ]
         return "\n".join(lines)

@@ -77,8 +77,9 @@ def storage_records(source: Union[str, os.PathLike, IO[bytes]]) -> List[StorageR
             f.seek(info.header_offset)
             head = f.read(_LOCAL_HEADER_LEN)
             if len(head) != _LOCAL_HEADER_LEN or head[:4] != _LOCAL_HEADER:
-                raise ValueError(f"storage record {info.filename}: no local header at "
-                                 f"{info.header_offset}")
+                raise ValueError(
+                    f"storage record {info.filename}: no local header at {info.header_offset}"
+                )
             name_len, extra_len = struct.unpack("<HH", head[26:30])
             data = info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
             out.append(StorageRecord(info.filename, data, info.file_size))
@@ -88,8 +89,9 @@ def storage_records(source: Union[str, os.PathLike, IO[bytes]]) -> List[StorageR
             f.close()
 
 
-def tensor_file_ranges(path: str, tensors: Sequence[torch.Tensor]
-                       ) -> Optional[List[Tuple[int, int]]]:
+def tensor_file_ranges(
+    path: str, tensors: Sequence[torch.Tensor]
+) -> Optional[List[Tuple[int, int]]]:
     """``(offset, nbytes)`` in the file of each tensor of a memory-mapped
     ``torch.load(path, mmap=True)``, or ``None`` when that cannot be established exactly.
 
@@ -124,8 +126,12 @@ def tensor_file_ranges(path: str, tensors: Sequence[torch.Tensor]
         if not st.nbytes():
             out.append((0, 0))
             continue
-        out.append((where[st.data_ptr()] + t.storage_offset() * t.element_size(),
-                    t.numel() * t.element_size()))
+        out.append(
+            (
+                where[st.data_ptr()] + t.storage_offset() * t.element_size(),
+                t.numel() * t.element_size(),
+            )
+        )
     return out
 
 
@@ -153,7 +159,7 @@ class MapView(io.RawIOBase):
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._len - self._pos))
         a = self._start + self._pos
-        b[:n] = self._buf[a:a + n]
+        b[:n] = self._buf[a : a + n]
         self._pos += n
         return n
 

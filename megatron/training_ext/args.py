@@ -71,11 +71,13 @@ def _cpu_async_flags(argv: list[str]) -> tuple[tuple[str, ...], ...]:
     if "--async-save" not in argv:
         return ()
     if _flag_value(argv, "--async-strategy") == "mcore":
-        raise SystemExit("pretrain_gpt.py --cpu: --async-save --async-strategy mcore is not supported "
-                         "on CPU: megatron-core's checkpoint worker sets a CUDA device at start and "
-                         "dies, and the trainer would wait for it forever; use the default "
-                         "--async-strategy nvrx (its worker runs with --async-ckpt-use-cpu-shm), or "
-                         "drop --async-save")
+        raise SystemExit(
+            "pretrain_gpt.py --cpu: --async-save --async-strategy mcore is not supported "
+            "on CPU: megatron-core's checkpoint worker sets a CUDA device at start and "
+            "dies, and the trainer would wait for it forever; use the default "
+            "--async-strategy nvrx (its worker runs with --async-ckpt-use-cpu-shm), or "
+            "drop --async-save"
+        )
     return CPU_ASYNC_FLAGS
 
 
@@ -95,8 +97,10 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
     for flag, allowed in CPU_REQUIRED_VALUES.items():
         value = _flag_value(argv, flag)
         if value is not None and value not in allowed:
-            raise SystemExit(f"pretrain_gpt.py --cpu: {flag} {value} is not supported on CPU "
-                             f"(use {' or '.join(sorted(allowed))}, or drop --cpu to run on GPUs)")
+            raise SystemExit(
+                f"pretrain_gpt.py --cpu: {flag} {value} is not supported on CPU "
+                f"(use {' or '.join(sorted(allowed))}, or drop --cpu to run on GPUs)"
+            )
     for flag, why in CPU_REJECTED_FLAGS.items():
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise SystemExit(f"pretrain_gpt.py --cpu: {flag} is not supported on CPU: {why}")
@@ -117,51 +121,80 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
 def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider`` for upstream's parser: this fork's flags."""
     group = parser.add_argument_group("megatron-lm-fixed", "flags of this fork (see README)")
-    group.add_argument("--cpu", action="store_true",
-                       help="Run the real training loop on CPU with gloo (megatron.cpu backend). "
-                            "Adds --distributed-backend gloo --use-cpu-initialization "
-                            "--transformer-impl local and the --no-*-fusion flags unless given.")
-    group.add_argument("--loss-log", default=None, metavar="PATH",
-                       help="Append each iteration's reduced training losses and grad norm to PATH "
-                            "as JSON lines, exact (float.hex) and decimal; written by the last rank.")
-    group.add_argument("--restore-modelopt-state", action="store_true",
-                       help="Before loading --load (torch_dist), restore the ModelOpt state it holds "
-                            "(<ckpt>/modelopt_state, e.g. written by tools/quantize.py) into the "
-                            "freshly built model, so quantizers load and train under any TP/EP/ETP. "
-                            "Upstream 0.19.2 lacks this step (megatron.post_training).")
+    group.add_argument(
+        "--cpu",
+        action="store_true",
+        help="Run the real training loop on CPU with gloo (megatron.cpu backend). "
+        "Adds --distributed-backend gloo --use-cpu-initialization "
+        "--transformer-impl local and the --no-*-fusion flags unless given.",
+    )
+    group.add_argument(
+        "--loss-log",
+        default=None,
+        metavar="PATH",
+        help="Append each iteration's reduced training losses and grad norm to PATH "
+        "as JSON lines, exact (float.hex) and decimal; written by the last rank.",
+    )
+    group.add_argument(
+        "--restore-modelopt-state",
+        action="store_true",
+        help="Before loading --load (torch_dist), restore the ModelOpt state it holds "
+        "(<ckpt>/modelopt_state, e.g. written by tools/quantize.py) into the "
+        "freshly built model, so quantizers load and train under any TP/EP/ETP. "
+        "Upstream 0.19.2 lacks this step (megatron.post_training).",
+    )
     # Validated local checkpoint tier (megatron/training_ext/local_tier.py).
-    group.add_argument("--no-local-tier-validation", dest="local_tier_validation",
-                       action="store_false",
-                       help="With --non-persistent-ckpt-type local: load local checkpoints as "
-                            "upstream does (no checksum/finiteness verification, no fallback to "
-                            "the persistent checkpoint, bad-tier markers ignored, no NaN window).")
-    group.add_argument("--local-tier-nan-window", type=int, default=None, metavar="N",
-                       help="With local checkpoints: for N iterations after resuming from the local "
-                            "tier, a NaN/Inf loss or grad norm marks the local tier bad (marker "
-                            "file LOCAL_TIER_BAD.json in each rank's local checkpoint directory) and "
-                            "exits with code 75, so that the next start loads the persistent "
-                            "checkpoint. Default 50; 0 disables.")
-    group.add_argument("--local-tier-run-id", default=None, metavar="ID",
-                       help="With local checkpoints: the run identity stored in every local file "
-                            "and required of the files a start may use. Default: derived from "
-                            "the settings that define the experiment (seed, data, tokenizer, "
-                            "model, and a run token kept in --save; see docs/local-tier.md), so a "
-                            "requeued or restarted "
-                            "job is the same run and a new experiment is not. Set it to keep "
-                            "using local checkpoints across a deliberate change of those "
-                            "settings, or to tell apart runs that share all of them.")
+    group.add_argument(
+        "--no-local-tier-validation",
+        dest="local_tier_validation",
+        action="store_false",
+        help="With --non-persistent-ckpt-type local: load local checkpoints as "
+        "upstream does (no checksum/finiteness verification, no fallback to "
+        "the persistent checkpoint, bad-tier markers ignored, no NaN window).",
+    )
+    group.add_argument(
+        "--local-tier-nan-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="With local checkpoints: for N iterations after resuming from the local "
+        "tier, a NaN/Inf loss or grad norm marks the local tier bad (marker "
+        "file LOCAL_TIER_BAD.json in each rank's local checkpoint directory) and "
+        "exits with code 75, so that the next start loads the persistent "
+        "checkpoint. Default 50; 0 disables.",
+    )
+    group.add_argument(
+        "--local-tier-run-id",
+        default=None,
+        metavar="ID",
+        help="With local checkpoints: the run identity stored in every local file "
+        "and required of the files a start may use. Default: derived from "
+        "the settings that define the experiment (seed, data, tokenizer, "
+        "model, and a run token kept in --save; see docs/local-tier.md), so a "
+        "requeued or restarted "
+        "job is the same run and a new experiment is not. Set it to keep "
+        "using local checkpoints across a deliberate change of those "
+        "settings, or to tell apart runs that share all of them.",
+    )
     # Persistent tier (megatron/training_ext/persistent_tier.py).
-    group.add_argument("--no-verify-integrity", dest="persistent_integrity", action="store_false",
-                       help="torch_dist checkpoints: write no integrity.json at save and do not "
-                            "hash the files at load (upstream's default). By default every save "
-                            "writes per-block xxh3 checksums and every load verifies them first, "
-                            "falling back to the previous complete checkpoint when the newest "
-                            "fails. File sizes are checked at load either way. Upstream's "
-                            "--verify-integrity additionally requires integrity.json at load.")
-    group.add_argument("--overwrite-save", action="store_true",
-                       help="Start even though --save holds checkpoints that this run does not "
-                            "load (no --load, or --load of another directory); its saves then "
-                            "overwrite them. Without it such a start is refused.")
+    group.add_argument(
+        "--no-verify-integrity",
+        dest="persistent_integrity",
+        action="store_false",
+        help="torch_dist checkpoints: write no integrity.json at save and do not "
+        "hash the files at load (upstream's default). By default every save "
+        "writes per-block xxh3 checksums and every load verifies them first, "
+        "falling back to the previous complete checkpoint when the newest "
+        "fails. File sizes are checked at load either way. Upstream's "
+        "--verify-integrity additionally requires integrity.json at load.",
+    )
+    group.add_argument(
+        "--overwrite-save",
+        action="store_true",
+        help="Start even though --save holds checkpoints that this run does not "
+        "load (no --load, or --load of another directory); its saves then "
+        "overwrite them. Without it such a start is refused.",
+    )
     return parser
 
 
@@ -169,29 +202,44 @@ def validate_fork_args(args: argparse.Namespace) -> None:
     """Cross-check this fork's flags against upstream's; raises ``SystemExit`` with the reason."""
     if getattr(args, "restore_modelopt_state", False):
         if args.ckpt_format != "torch_dist":
-            raise SystemExit(f"--restore-modelopt-state needs --ckpt-format torch_dist "
-                             f"(got {args.ckpt_format})")
+            raise SystemExit(
+                f"--restore-modelopt-state needs --ckpt-format torch_dist (got {args.ckpt_format})"
+            )
         if args.virtual_pipeline_model_parallel_size is not None:
-            raise SystemExit("--restore-modelopt-state: ModelOpt state does not support virtual "
-                             "pipeline parallelism")
+            raise SystemExit(
+                "--restore-modelopt-state: ModelOpt state does not support virtual "
+                "pipeline parallelism"
+            )
 
     _validate_local_tier_args(args)
     async_formats = ("torch_dist", "torch_dcp", "fsdp_dtensor")
-    if getattr(args, "async_save", False) and getattr(args, "ckpt_format", "torch_dist") not in async_formats:
+    if (
+        getattr(args, "async_save", False)
+        and getattr(args, "ckpt_format", "torch_dist") not in async_formats
+    ):
         # upstream raises NotImplementedError only at the first save, after training time is spent
-        raise SystemExit(f"--async-save needs --ckpt-format {', '.join(async_formats)} (got "
-                         f"{args.ckpt_format}: upstream has no async save for it and would fail at "
-                         "the first save); change the format or drop --async-save")
-    if getattr(args, "async_save", False) and getattr(args, "non_persistent_ckpt_type", None) == "local":
+        raise SystemExit(
+            f"--async-save needs --ckpt-format {', '.join(async_formats)} (got "
+            f"{args.ckpt_format}: upstream has no async save for it and would fail at "
+            "the first save); change the format or drop --async-save"
+        )
+    if (
+        getattr(args, "async_save", False)
+        and getattr(args, "non_persistent_ckpt_type", None) == "local"
+    ):
         # upstream left --async-save on: it runs through the persistent worker (spawned)
-        raise SystemExit("--async-save with --non-persistent-ckpt-type local is not supported: NVRx's "
-                         "local checkpoint save request holds a process group, which cannot be sent "
-                         "to the persistent checkpoint worker (TypeError: cannot pickle "
-                         "'ProcessGroup' at the first local save); drop --async-save (local saves "
-                         "are fast and synchronous) or the local tier")
+        raise SystemExit(
+            "--async-save with --non-persistent-ckpt-type local is not supported: NVRx's "
+            "local checkpoint save request holds a process group, which cannot be sent "
+            "to the persistent checkpoint worker (TypeError: cannot pickle "
+            "'ProcessGroup' at the first local save); drop --async-save (local saves "
+            "are fast and synchronous) or the local tier"
+        )
     if getattr(args, "verify_integrity", False) and not getattr(args, "persistent_integrity", True):
-        raise SystemExit("--verify-integrity (integrity.json required at load) and "
-                         "--no-verify-integrity (no checksums) contradict each other: give one")
+        raise SystemExit(
+            "--verify-integrity (integrity.json required at load) and "
+            "--no-verify-integrity (no checksums) contradict each other: give one"
+        )
 
 
 def check_run_setup(args: argparse.Namespace) -> None:
@@ -207,11 +255,13 @@ def check_run_setup(args: argparse.Namespace) -> None:
     from megatron.training_ext import data_checks, persistent_tier
 
     if getattr(args, "inprocess_restart", False):
-        raise SystemExit("pretrain_gpt.py: --inprocess-restart is not supported by this entrypoint "
-                         "(upstream's flag would be ignored: nothing wraps the training function, "
-                         "and the local tier's per-process decisions would carry over between "
-                         "attempts); restart in place with ft_launcher's in-job restart instead "
-                         "(examples/ft_launcher, README)")
+        raise SystemExit(
+            "pretrain_gpt.py: --inprocess-restart is not supported by this entrypoint "
+            "(upstream's flag would be ignored: nothing wraps the training function, "
+            "and the local tier's per-process decisions would carry over between "
+            "attempts); restart in place with ft_launcher's in-job restart instead "
+            "(examples/ft_launcher, README)"
+        )
     data_checks.check_data_args(args)
     persistent_tier.check_save_dir(args)
 
@@ -223,9 +273,12 @@ def _validate_local_tier_args(args: argparse.Namespace) -> None:
     validation = getattr(args, "local_tier_validation", True)
     run_id = getattr(args, "local_tier_run_id", None)
     if run_id is not None and (not run_id.strip() or not validation):
-        raise SystemExit("--local-tier-run-id needs a non-empty ID and local-tier validation (it "
-                         "is checked only by the validated load path; drop --no-local-tier-validation)"
-                         if run_id.strip() else "--local-tier-run-id must not be empty")
+        raise SystemExit(
+            "--local-tier-run-id needs a non-empty ID and local-tier validation (it "
+            "is checked only by the validated load path; drop --no-local-tier-validation)"
+            if run_id.strip()
+            else "--local-tier-run-id must not be empty"
+        )
     if window is None:
         from megatron.training_ext.local_tier import DEFAULT_NAN_WINDOW
 
@@ -233,9 +286,11 @@ def _validate_local_tier_args(args: argparse.Namespace) -> None:
     elif window < 0:
         raise SystemExit(f"--local-tier-nan-window must be >= 0 (got {window})")
     elif window > 0 and not validation:
-        raise SystemExit("--local-tier-nan-window > 0 needs local-tier validation: the bad-tier "
-                         "marker it writes is honoured only by the validated load path (drop "
-                         "--no-local-tier-validation or set --local-tier-nan-window 0)")
+        raise SystemExit(
+            "--local-tier-nan-window > 0 needs local-tier validation: the bad-tier "
+            "marker it writes is honoured only by the validated load path (drop "
+            "--no-local-tier-validation or set --local-tier-nan-window 0)"
+        )
 
 
 def install_training_hooks(args: argparse.Namespace) -> None:
@@ -248,7 +303,8 @@ def install_training_hooks(args: argparse.Namespace) -> None:
 
         loss_log.install(args.loss_log)
     if getattr(args, "non_persistent_ckpt_type", None) == "local" and getattr(
-            args, "local_tier_validation", True):
+        args, "local_tier_validation", True
+    ):
         from megatron.training_ext import local_tier
 
         local_tier.install(args)

@@ -40,14 +40,22 @@ def check_data_args(args: Any) -> None:
     """
     if getattr(args, "mock_data", False):
         return
-    names = ("data_path", "data_args_path", "train_data_path", "valid_data_path", "test_data_path",
-             "per_split_data_args_path")
+    names = (
+        "data_path",
+        "data_args_path",
+        "train_data_path",
+        "valid_data_path",
+        "test_data_path",
+        "per_split_data_args_path",
+    )
     if any(getattr(args, n, None) for n in names):
         return
-    raise SystemExit("pretrain_gpt.py: no training data: give --data-path PREFIX [PREFIX ...] (an "
-                     "indexed dataset, <PREFIX>.bin and <PREFIX>.idx, made by tools/preprocess_data.py), "
-                     "or --train-data-path/--valid-data-path/--test-data-path, or --mock-data for "
-                     "synthetic data")
+    raise SystemExit(
+        "pretrain_gpt.py: no training data: give --data-path PREFIX [PREFIX ...] (an "
+        "indexed dataset, <PREFIX>.bin and <PREFIX>.idx, made by tools/preprocess_data.py), "
+        "or --train-data-path/--valid-data-path/--test-data-path, or --mock-data for "
+        "synthetic data"
+    )
 
 
 def data_prefixes(blend, blend_per_split) -> List[str]:
@@ -71,13 +79,16 @@ def _token_dtype(prefix: str) -> np.dtype:
     except OSError as e:
         raise SystemExit(f"pretrain_gpt.py: cannot read the indexed dataset {idx}: {e}") from e
     if head[:9] != _INDEX_HEADER or len(head) < 18:
-        raise SystemExit(f"pretrain_gpt.py: {idx} is not a megatron-core indexed dataset index "
-                         "(make it with tools/preprocess_data.py)")
+        raise SystemExit(
+            f"pretrain_gpt.py: {idx} is not a megatron-core indexed dataset index "
+            "(make it with tools/preprocess_data.py)"
+        )
     return np.dtype(DType.dtype_from_code(struct.unpack("<B", head[17:18])[0]))
 
 
-def max_token_id(prefix: str, part: int = 0, parts: int = 1,
-                 budget_bytes: int = SCAN_BYTES_PER_RANK) -> Tuple[int, float]:
+def max_token_id(
+    prefix: str, part: int = 0, parts: int = 1, budget_bytes: int = SCAN_BYTES_PER_RANK
+) -> Tuple[int, float]:
     """Largest token id in slice ``part`` of ``parts`` of ``<prefix>.bin``.
 
     Returns:
@@ -101,11 +112,11 @@ def max_token_id(prefix: str, part: int = 0, parts: int = 1,
     budget = max(budget_bytes // dtype.itemsize, 1)
     if span <= budget:
         step = 1 << 24
-        return int(max(int(data[i:min(i + step, hi)].max()) for i in range(lo, hi, step))), 1.0
+        return int(max(int(data[i : min(i + step, hi)].max()) for i in range(lo, hi, step))), 1.0
     win = max(min(_WINDOW // dtype.itemsize, budget), 1)
     count = max(budget // win, 1)
     starts = np.linspace(lo, hi - win, count).astype(np.int64)
-    return int(max(int(data[s:s + win].max()) for s in starts)), count * win / span
+    return int(max(int(data[s : s + win].max()) for s in starts)), count * win / span
 
 
 def check_token_ids(prefixes: Sequence[str], vocab_size: int, group=None) -> Dict[str, int]:
@@ -141,8 +152,12 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, group=None) -> Dic
     coverage = min((sum(g[p][1] for g in gathered) / world for p in prefixes), default=1.0)
     bad = {p: m for p, m in maxima.items() if m >= vocab_size}
     if rank == 0:
-        logger.info("data_checks: largest token id %s (vocabulary %d, %.0f%% of the data scanned)",
-                    max(maxima.values(), default=-1), vocab_size, 100 * coverage)
+        logger.info(
+            "data_checks: largest token id %s (vocabulary %d, %.0f%% of the data scanned)",
+            max(maxima.values(), default=-1),
+            vocab_size,
+            100 * coverage,
+        )
     if bad:
         listed = "; ".join(f"{p} holds token id {m}" for p, m in bad.items())
         raise SystemExit(
@@ -150,7 +165,7 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, group=None) -> Dic
             f"token ids (0-{vocab_size - 1}, --vocab-size or the tokenizer's size, padded by "
             f"--make-vocab-size-divisible-by): {listed}. Use the tokenizer the data was made with "
             f"(--tokenizer-type and its files), or a --vocab-size of at least "
-            f"{max(bad.values()) + 1}.")
+            f"{max(bad.values()) + 1}."
+        )
     _CHECKED[key] = maxima
     return maxima
-

@@ -35,14 +35,14 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+    LocalCheckpointManager,
+)
 
 from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.integrity import checksums as ck
 from megatron.integrity import local_identity, local_layout
 from megatron.training_ext.console import write_line
-from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
-    LocalCheckpointManager,
-)
 
 logger = logging.getLogger("megatron.training_ext.local_tier")
 
@@ -93,8 +93,8 @@ class _State:
     validation: bool
     nan_window: int
     args: Any = None
-    settings: Optional[dict] = None     # local_identity.run_settings(args) at install
-    topology: Optional[dict] = None     # local_identity.topology(args) at install
+    settings: Optional[dict] = None  # local_identity.run_settings(args) at install
+    topology: Optional[dict] = None  # local_identity.topology(args) at install
     force_persistent: bool = False
     rejected_reason: Optional[str] = None
     local_load_iteration: Optional[int] = None
@@ -168,8 +168,10 @@ def _summarize(gathered: list, limit: int = 3) -> str:
         for e in errs or []:
             by_text.setdefault(str(e), []).append(r)
     items = list(by_text.items())
-    shown = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {_short(t, 300)}"
-                      for t, rs in items[:limit])
+    shown = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {_short(t, 300)}"
+        for t, rs in items[:limit]
+    )
     more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
     return shown + more
 
@@ -205,7 +207,7 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     except (RuntimeError, TypeError):
         ok = torch.ones((), dtype=torch.bool, device=flat.device)
         for start in range(0, flat.numel(), _FINITE_CHUNK):
-            ok = ok & torch.isfinite(flat[start:start + _FINITE_CHUNK]).all()
+            ok = ok & torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()
         return ok
 
 
@@ -305,8 +307,10 @@ def _clear_marker(manager: Any, iteration: int) -> None:
         shutil.rmtree(rejected, ignore_errors=True)
         removed.append(f"the rejected local checkpoints in {rejected}")
     if removed:
-        _say(f"local checkpoint at iteration {iteration} is complete on all ranks: removed "
-             f"{' and '.join(removed)}")
+        _say(
+            f"local checkpoint at iteration {iteration} is complete on all ranks: removed "
+            f"{' and '.join(removed)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,15 +348,19 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
         if record is not None:
             entries = record["entries"]
             if len(entries) != len(tensors):
-                errors.append(f"ChecksumMismatchError: {what}: {len(tensors)} tensors, the record "
-                              f"lists {len(entries)}")
+                errors.append(
+                    f"ChecksumMismatchError: {what}: {len(tensors)} tensors, the record "
+                    f"lists {len(entries)}"
+                )
                 entries = None
             else:
                 done.append(f"{len(tensors)} checksums")
         elif not errors and st is not None and not st.warned_unverified:
             st.warned_unverified = True
-            logger.warning("%s has no checksum record (written without checksums): checksums not "
-                           "verified", what)
+            logger.warning(
+                "%s has no checksum record (written without checksums): checksums not verified",
+                what,
+            )
     else:
         done.append("checksums verified in transit")
     flags = None
@@ -360,16 +368,21 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
     if isinstance(finite, dict) and finite.get("format") == FINITE_FORMAT:
         flags = finite.get("finite") or []
         if len(flags) != len(tensors):
-            errors.append(f"{what}: finiteness record lists {len(flags)} tensors, the state dict "
-                          f"has {len(tensors)}")
+            errors.append(
+                f"{what}: finiteness record lists {len(flags)} tensors, the state dict "
+                f"has {len(tensors)}"
+            )
             flags = None
     mismatches, bad, slow_finite = [], [], []
     for i, t in enumerate(tensors):
         want_sum, want_fin = entries is not None, flags is not None and flags[i] is True
         if not (want_sum or want_fin):
             continue
-        plain = (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-                 and t.is_contiguous())
+        plain = (
+            type(t) in (torch.Tensor, torch.nn.Parameter)
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+        )
         if plain:
             # fused_scan hashes with xxh3 only; other algorithms (pmix64) verify_tensor computes
             xxh3 = want_sum and entries[i].get("algorithm", ck.ALGORITHM) == ck.ALGORITHM
@@ -385,15 +398,20 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
             if m is not None:
                 mismatches.append(m)
     if slow_finite:
-        bad += [keys[i] for i, ok in zip(slow_finite, _finite_flags([tensors[i] for i in slow_finite]))
-                if ok is False]
+        bad += [
+            keys[i]
+            for i, ok in zip(slow_finite, _finite_flags([tensors[i] for i in slow_finite]))
+            if ok is False
+        ]
     errors += [f"ChecksumMismatchError: {what}: {m}" for m in mismatches[:3]]
     if len(mismatches) > 3:
         errors.append(f"{what}: ... {len(mismatches) - 3} more checksum mismatches")
     if flags is not None:
         if bad:
-            errors.append(f"{what}: {len(bad)} tensor(s) hold NaN/Inf where the primary (rank "
-                          f"{finite.get('owner_rank')}) saved finite values: {bad[:3]}")
+            errors.append(
+                f"{what}: {len(bad)} tensor(s) hold NaN/Inf where the primary (rank "
+                f"{finite.get('owner_rank')}) saved finite values: {bad[:3]}"
+            )
         done.append(f"{sum(1 for f in flags if f is True)} tensors finite")
     return errors, ", ".join(done) or "nothing to verify"
 
@@ -407,8 +425,10 @@ def _fingerprint(state_dict: Any) -> Optional[str]:
         return None
     if record is None:
         return None
-    rows = [(e.get("key"), e.get("global_offset"), e.get("dtype"), e.get("shape"), e.get("checksum"))
-            for e in record.get("entries", [])]
+    rows = [
+        (e.get("key"), e.get("global_offset"), e.get("dtype"), e.get("shape"), e.get("checksum"))
+        for e in record.get("entries", [])
+    ]
     return hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()[:16]
 
 
@@ -419,12 +439,12 @@ class _Copy:
     iteration: int
     owner: int
     holder: int
-    problem: Optional[str]          # why it cannot be used; None: usable so far
+    problem: Optional[str]  # why it cannot be used; None: usable so far
     run_id: Optional[str] = None
     token: Optional[str] = None
     fingerprint: Optional[str] = None
-    foreign: Optional[str] = None   # why its run id differs from this rank's (which settings)
-    bytes_verified: bool = False    # checksums and finiteness checked against the bytes
+    foreign: Optional[str] = None  # why its run id differs from this rank's (which settings)
+    bytes_verified: bool = False  # checksums and finiteness checked against the bytes
 
 
 @dataclass
@@ -433,7 +453,7 @@ class _Report:
 
     rank: int
     host: str
-    identity: tuple                 # (run id, source, run settings, topology)
+    identity: tuple  # (run id, source, run settings, topology)
     generation: str
     marker: Optional[dict]
     persistent: Optional[int]
@@ -445,7 +465,7 @@ class _Report:
 class _Resolution:
     """The collective decision of a load: which local iteration, and where each shard comes from."""
 
-    iteration: int                      # -1: not the local tier
+    iteration: int  # -1: not the local tier
     state_dict: Any = None
     ckpt_id: Any = None
     line: str = ""
@@ -453,16 +473,23 @@ class _Resolution:
 
 def _no_verified_copy(owner: int, copies: List[_Copy]) -> str:
     """Why no copy of ``owner``'s shard can be used: each copy's holder, role and problem."""
-    detail = "; ".join(f"rank {c.holder}'s {'primary' if c.holder == owner else 'replica'}: {c.problem}"
-                       for c in copies) or "no copy on any rank"
+    detail = (
+        "; ".join(
+            f"rank {c.holder}'s {'primary' if c.holder == owner else 'replica'}: {c.problem}"
+            for c in copies
+        )
+        or "no copy on any rank"
+    )
     return f"no verified copy of rank {owner}'s shard ({_short(detail, 500)})"
 
 
 def _describe_marker(rank: int, m: dict) -> str:
     if "iteration" in m:
-        return (f"rank {rank} marked the local tier bad at iteration {m.get('iteration')} "
-                f"(resumed from local iteration {m.get('local_checkpoint_iteration')}, "
-                f"{m.get('time', '?')}): {_short(m.get('reason', '?'), 200)}")
+        return (
+            f"rank {rank} marked the local tier bad at iteration {m.get('iteration')} "
+            f"(resumed from local iteration {m.get('local_checkpoint_iteration')}, "
+            f"{m.get('time', '?')}): {_short(m.get('reason', '?'), 200)}"
+        )
     return f"rank {rank}: {m.get('reason')}"
 
 
@@ -533,7 +560,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         self._identity: Optional[tuple] = None
         self._saved = False
         self._loads_served = 0
-        self.timings: dict[str, float] = {}  # seconds of the start: total, headers, own_primary, agree, repair, identity
+        self.timings: dict[
+            str, float
+        ] = {}  # seconds of the start: total, headers, own_primary, agree, repair, identity
 
     # -------------------------------------------------------------------- pickling (async save)
 
@@ -553,8 +582,13 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         st = _STATE
         token = local_identity.run_token(getattr(args, "save", None), create=_rank() == 0)
         run_id, source, settings = local_identity.run_identity(
-            args, token, st.settings if st is not None else None)
-        topo = st.topology if st is not None and st.topology is not None else local_identity.topology(args)
+            args, token, st.settings if st is not None else None
+        )
+        topo = (
+            st.topology
+            if st is not None and st.topology is not None
+            else local_identity.topology(args)
+        )
         return run_id, source, settings, dict(topo)
 
     def _agree_generation(self) -> str:
@@ -574,13 +608,28 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             self._resolution = None  # release what the load held
             removed = self._remove_dirty()
             if removed:
-                _say(f"removed {len(removed)} leftover(s) of an interrupted save: {', '.join(removed)}")
+                _say(
+                    f"removed {len(removed)} leftover(s) of an interrupted save: {', '.join(removed)}"
+                )
         tensors = list(state_dict.tensors)
-        setattr(state_dict, FINITE_ATTR, {"format": FINITE_FORMAT, "version": 1,
-                                          "owner_rank": _rank(), "finite": _finite_flags(tensors)})
+        setattr(
+            state_dict,
+            FINITE_ATTR,
+            {
+                "format": FINITE_FORMAT,
+                "version": 1,
+                "owner_rank": _rank(),
+                "finite": _finite_flags(tensors),
+            },
+        )
         run_id, source, settings, topo = self._identity_parts()
-        setattr(state_dict, local_identity.IDENTITY_ATTR, local_identity.make_identity(
-            run_id, source, settings, topo, iteration, _rank(), generation, socket.gethostname()))
+        setattr(
+            state_dict,
+            local_identity.IDENTITY_ATTR,
+            local_identity.make_identity(
+                run_id, source, settings, topo, iteration, _rank(), generation, socket.gethostname()
+            ),
+        )
         return super().save(state_dict, iteration, is_async)
 
     def _save(self, state_dict, ckpt_id):
@@ -593,14 +642,18 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                 try:
                     tensors = list(state_dict.tensors)
                     names = _tensor_keys(state_dict, len(tensors))
-                    entries = [ck.make_entry(i, k, t, global_offset=o)
-                               for i, ((k, o), t) in enumerate(zip(names, tensors))]
+                    entries = [
+                        ck.make_entry(i, k, t, global_offset=o)
+                        for i, ((k, o), t) in enumerate(zip(names, tensors))
+                    ]
                     ck.attach_record(state_dict, ck.make_record(ckpt_id[1], entries))
                 except (TypeError, ValueError) as e:  # quantized/meta tensors: save unverified
                     logger.warning("local checkpoint %s saved without checksums: %s", ckpt_id, e)
         stale = self._local_ckpt_path_from_id(ckpt_id, True)
         if stale.exists():  # an interrupted save of this iteration: only this rank writes here
-            logger.warning("local checkpoint: replacing the leftover %s of an interrupted save", stale)
+            logger.warning(
+                "local checkpoint: replacing the leftover %s of an interrupted save", stale
+            )
             stale.unlink(missing_ok=True)
         return super()._save(state_dict, ckpt_id)
 
@@ -639,7 +692,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         if res is None or res.iteration == -1 or res.state_dict is None:
             if self.latest_iteration == -1:
                 raise CheckpointingException(
-                    "The 'find_latest' method must be called before invoking the 'load' function.")
+                    "The 'find_latest' method must be called before invoking the 'load' function."
+                )
             return super().load()
         st = _STATE
         st.manager = self
@@ -652,7 +706,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
 
     # --------------------------------------------------------------------------- resolution
 
-    def _inspect(self, run_id: str, settings: dict, topo: dict) -> tuple[List[_Copy], dict, List[str]]:
+    def _inspect(
+        self, run_id: str, settings: dict, topo: dict
+    ) -> tuple[List[_Copy], dict, List[str]]:
         """This rank's local files: the header of every copy (memory-mapped, no tensor data read),
         and the own primary of the newest iteration fully loaded and verified (checksums,
         finiteness). Returns (copies, {ckpt_id: (state dict, summary)}, leftovers removed)."""
@@ -703,7 +759,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             sd.restore_tensor_device(non_blocking=False)
         except Exception as e:  # noqa: BLE001
             errors, summary = [f"unreadable: {_exc_text(e)}"], ""
-        self.timings["own_primary"] = self.timings.get("own_primary", 0.0) + time.perf_counter() - t0
+        self.timings["own_primary"] = (
+            self.timings.get("own_primary", 0.0) + time.perf_counter() - t0
+        )
         c.bytes_verified = True
         if errors:
             c.problem = _short("; ".join(errors), 400)
@@ -721,9 +779,16 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         args = _megatron_args()
         load_dir = getattr(args, "load", None)
         copies, loaded, leftovers = self._inspect(run_id, settings, topo)
-        mine = _Report(me, socket.gethostname(), identity, uuid.uuid4().hex,
-                       read_marker(self.local_ckpt_dir), _persistent_iteration(load_dir),
-                       copies, leftovers)
+        mine = _Report(
+            me,
+            socket.gethostname(),
+            identity,
+            uuid.uuid4().hex,
+            read_marker(self.local_ckpt_dir),
+            _persistent_iteration(load_dir),
+            copies,
+            leftovers,
+        )
         t_gather = time.perf_counter()
         self.timings["headers"] = t_gather - t0 - self.timings.get("own_primary", 0.0)
         reports: List[_Report] = _gather(mine)
@@ -731,10 +796,17 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         self._generation, self._identity = reports[0].generation, tuple(reports[0].identity)
         agreed_run = self._identity[0]
         if run_id != agreed_run:
-            logger.info("rank %d derives run id %s, rank 0 %s: using rank 0's", me, run_id, agreed_run)
+            logger.info(
+                "rank %d derives run id %s, rank 0 %s: using rank 0's", me, run_id, agreed_run
+            )
         persistent = reports[0].persistent
-        notes = [f"removed {len(leftovers)} leftover(s) of an interrupted save ({', '.join(leftovers)})"] \
-            if leftovers else []
+        notes = (
+            [
+                f"removed {len(leftovers)} leftover(s) of an interrupted save ({', '.join(leftovers)})"
+            ]
+            if leftovers
+            else []
+        )
 
         reason = _markers_reason(reports)
         if reason is not None:
@@ -742,18 +814,23 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         all_copies = [c for r in reports for c in r.copies]
         for c in all_copies:  # the agreed run id decides for everyone
             if c.problem is None and c.run_id != agreed_run:
-                c.problem = c.foreign or (f"written by another run (run id {c.run_id}, this run "
-                                          f"{agreed_run}; {local_identity.RUN_ID_FLAG} sets the id "
-                                          f"explicitly)")
+                c.problem = c.foreign or (
+                    f"written by another run (run id {c.run_id}, this run "
+                    f"{agreed_run}; {local_identity.RUN_ID_FLAG} sets the id "
+                    f"explicitly)"
+                )
         self.globally_available_ids = [
-            [(c.iteration, c.owner, self.session_id) for c in r.copies] for r in reports]
+            [(c.iteration, c.owner, self.session_id) for c in r.copies] for r in reports
+        ]
         iterations = sorted({c.iteration for c in all_copies}, reverse=True)
         if not iterations:
             return self._fall_back(None, load_dir, persistent, notes)
         if persistent is not None and iterations[0] < persistent:
-            _say(f"local checkpoint at iteration {iterations[0]} is older than the persistent "
-                 f"checkpoint at iteration {persistent} in {load_dir}: loading the persistent one"
-                 + "".join(f"; {n}" for n in notes))
+            _say(
+                f"local checkpoint at iteration {iterations[0]} is older than the persistent "
+                f"checkpoint at iteration {persistent} in {load_dir}: loading the persistent one"
+                + "".join(f"; {n}" for n in notes)
+            )
             return _Resolution(iterations[0])
         hosts = {r.rank: r.host for r in reports}
         why_not: List[str] = []
@@ -762,17 +839,34 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                 break
             res = self._try_iteration(it, all_copies, hosts, loaded, world, why_not, notes, t0)
             if res is not None:
-                self._quarantine(keep=it, bad=[c for c in all_copies if c.holder == me
-                                               and c.iteration == it and c.problem is not None])
+                self._quarantine(
+                    keep=it,
+                    bad=[
+                        c
+                        for c in all_copies
+                        if c.holder == me and c.iteration == it and c.problem is not None
+                    ],
+                )
                 return res
             # newer than what can be used: never offered again
         if len(why_not) == 1:
             why_not = [why_not[0].split(": ", 1)[1]]  # the iteration is named in front
-        reason = f"local checkpoint at iteration {iterations[0]} failed verification: " + "; ".join(why_not)
+        reason = f"local checkpoint at iteration {iterations[0]} failed verification: " + "; ".join(
+            why_not
+        )
         return self._fall_back(reason, load_dir, persistent, notes)
 
-    def _try_iteration(self, it: int, all_copies: List[_Copy], hosts: dict, loaded: dict, world: int,
-                       why_not: List[str], notes: List[str], t0: float) -> Optional[_Resolution]:
+    def _try_iteration(
+        self,
+        it: int,
+        all_copies: List[_Copy],
+        hosts: dict,
+        loaded: dict,
+        world: int,
+        why_not: List[str],
+        notes: List[str],
+        t0: float,
+    ) -> Optional[_Resolution]:
         """Collective: use local iteration ``it`` if every shard has a verified copy, repairing
         shards from replicas; None (on every rank) when it cannot be used, reason in ``why_not``."""
         me = _rank()
@@ -782,8 +876,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         if tokens:
             (best, n), *rest = tokens.most_common()
             if rest and rest[0][1] == n:
-                why_not.append(f"iteration {it}: copies of {len(tokens)} different saves, none in a "
-                               f"majority")
+                why_not.append(
+                    f"iteration {it}: copies of {len(tokens)} different saves, none in a majority"
+                )
                 return None
             for c in copies:
                 if c.problem is None and c.token != best:
@@ -795,12 +890,19 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         for owner, cs in by_owner.items():
             prim = next((c for c in cs if c.holder == owner and c.problem is None), None)
             good = [c for c in cs if c.problem is None]
-            ref = prim.fingerprint if prim is not None else Counter(
-                c.fingerprint for c in good).most_common(1)[0][0] if good else None
+            ref = (
+                prim.fingerprint
+                if prim is not None
+                else Counter(c.fingerprint for c in good).most_common(1)[0][0]
+                if good
+                else None
+            )
             for c in good:
                 if ref is not None and c.fingerprint is not None and c.fingerprint != ref:
-                    c.problem = (f"its checksums differ from {'the primary' if prim is not None else 'the other copies'}"
-                                 f" of rank {owner}'s shard")
+                    c.problem = (
+                        f"its checksums differ from {'the primary' if prim is not None else 'the other copies'}"
+                        f" of rank {owner}'s shard"
+                    )
         distinct = {c.problem for c in copies}
         if copies and None not in distinct and len(distinct) == 1:
             why_not.append(f"iteration {it}: every copy on every rank was {distinct.pop()}")
@@ -815,7 +917,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             return None
         strategy = self.repl_strategy
         my_id = self._ckpt_id(it)
-        pending = [c for c in copies if c.holder == c.owner and c.problem is None and not c.bytes_verified]
+        pending = [
+            c for c in copies if c.holder == c.owner and c.problem is None and not c.bytes_verified
+        ]
         if pending:  # not the newest own iteration of some rank: verify those primaries now
             for c in pending:
                 if c.holder == me:
@@ -826,18 +930,28 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                     for c in by_owner.get(owner, []):
                         if c.holder == owner:
                             c.problem, c.bytes_verified = problem, True
-        need = sorted(o for o in range(world) if not any(
-            c.problem is None and c.holder == o for c in by_owner.get(o, [])))
+        need = sorted(
+            o
+            for o in range(world)
+            if not any(c.problem is None and c.holder == o for c in by_owner.get(o, []))
+        )
         if need and strategy is None:
-            why_not.append(f"iteration {it}: rank(s) {need} have no usable primary and there is no "
-                           f"replication to repair from: " + "; ".join(
-                               f"rank {o}: {next((c.problem for c in by_owner.get(o, []) if c.holder == o), 'missing')}"
-                               for o in need))
+            why_not.append(
+                f"iteration {it}: rank(s) {need} have no usable primary and there is no "
+                f"replication to repair from: "
+                + "; ".join(
+                    f"rank {o}: {next((c.problem for c in by_owner.get(o, []) if c.holder == o), 'missing')}"
+                    for o in need
+                )
+            )
             return None
         if not need:
             sd, summary = loaded[my_id]
-            line = (f"local checkpoint at iteration {it} verified on all ranks: own primary ({summary})"
-                    if me == 0 else f"local checkpoint at iteration {it}: own primary verified ({summary})")
+            line = (
+                f"local checkpoint at iteration {it} verified on all ranks: own primary ({summary})"
+                if me == 0
+                else f"local checkpoint at iteration {it}: own primary verified ({summary})"
+            )
             return self._resolved(it, sd, my_id, line, all_copies, notes, t0)
         return self._repair(it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0)
 
@@ -845,7 +959,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         """Collective: retrieve the shards of the ranks in ``need`` from verified replicas."""
         t_repair = time.perf_counter()
         try:
-            return self._repair_attempts(it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0)
+            return self._repair_attempts(
+                it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0
+            )
         finally:
             self.timings["repair"] = time.perf_counter() - t_repair
 
@@ -862,8 +978,10 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                         available[c.holder].append((it, o, self.session_id))
             uncovered = [o for o in need if not any(c.problem is None for c in by_owner.get(o, []))]
             if uncovered:
-                why_not.append(f"iteration {it}: " + "; ".join(
-                    _no_verified_copy(o, by_owner.get(o, [])) for o in uncovered))
+                why_not.append(
+                    f"iteration {it}: "
+                    + "; ".join(_no_verified_copy(o, by_owner.get(o, [])) for o in uncovered)
+                )
                 return None
             plan = None
             errors: List[str] = []
@@ -879,7 +997,9 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                             cid = entry.id_
                             try:
                                 sd = self._load(cid)  # verified on the host, then to the device
-                                errs, _ = _verify(sd, f"rank {me}'s replica of rank {cid[1]}'s shard", True)
+                                errs, _ = _verify(
+                                    sd, f"rank {me}'s replica of rank {cid[1]}'s shard", True
+                                )
                                 sd.restore_tensor_device(non_blocking=False)
                             except Exception as e:  # noqa: BLE001
                                 sd, errs = None, [f"unreadable: {_exc_text(e)}"]
@@ -911,11 +1031,16 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             if not errs and me in need:
                 sd = received.get(my_id) if received else None
                 if sd is None:
-                    errs.append(f"retrieval returned {sorted(received or {}, key=str)}, expected {my_id}")
+                    errs.append(
+                        f"retrieval returned {sorted(received or {}, key=str)}, expected {my_id}"
+                    )
                 else:
                     source = next(e.sender for e in plan.entries if e.receiver == me)
-                    verify_errs, summary = _verify(sd, f"rank {me}'s shard received from rank {source}",
-                                                   not _strategy_verifies(strategy))
+                    verify_errs, summary = _verify(
+                        sd,
+                        f"rank {me}'s shard received from rank {source}",
+                        not _strategy_verifies(strategy),
+                    )
                     errs += verify_errs
                     loaded[my_id] = (sd, summary)
             outcome = _gather(errs)
@@ -925,29 +1050,43 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             sd, summary0 = loaded[my_id]
             if me in need:
                 own = next((c.problem for c in by_owner.get(me, []) if c.holder == me), "missing")
-                line = (f"local checkpoint at iteration {it}: repaired from rank {source}'s replica on "
-                        f"host {hosts.get(source, '?')} (verified: {summary}); own primary: {_short(own, 300)}")
+                line = (
+                    f"local checkpoint at iteration {it}: repaired from rank {source}'s replica on "
+                    f"host {hosts.get(source, '?')} (verified: {summary}); own primary: {_short(own, 300)}"
+                )
             else:
-                line = (f"local checkpoint at iteration {it}{' verified on all ranks' if me == 0 else ''}: "
-                        f"own primary ({summary0}); repaired rank(s) {need} from replicas")
+                line = (
+                    f"local checkpoint at iteration {it}{' verified on all ranks' if me == 0 else ''}: "
+                    f"own primary ({summary0}); repaired rank(s) {need} from replicas"
+                )
             return self._resolved(it, sd, my_id, line, all_copies, notes, t0)
         why_not.append(f"iteration {it}: no replica verified after several attempts")
         return None
 
     def _resolved(self, it, sd, cid, line, all_copies, notes, t0) -> _Resolution:
         me = _rank()
-        bad = [c for c in all_copies if c.holder == me and c.iteration == it and c.problem is not None
-               and c.owner != me]
+        bad = [
+            c
+            for c in all_copies
+            if c.holder == me and c.iteration == it and c.problem is not None and c.owner != me
+        ]
         extra = list(notes)
         if bad:
-            extra.append(f"moved {len(bad)} bad replica(s) to {QUARANTINE_DIR}/: " + "; ".join(
-                f"rank {c.owner}'s shard: {_short(c.problem, 200)}" for c in bad))
+            extra.append(
+                f"moved {len(bad)} bad replica(s) to {QUARANTINE_DIR}/: "
+                + "; ".join(f"rank {c.owner}'s shard: {_short(c.problem, 200)}" for c in bad)
+            )
         tm = self.timings
         tm["total"] = time.perf_counter() - t0
         # the checks' own work: headers, decision, quarantine (not the load, the repair, or the
         # wait in the one all_gather_object, where upstream waits in its own collectives)
-        tm["identity"] = tm["total"] - tm.get("own_primary", 0.0) - tm.get("repair", 0.0) - tm.get("agree", 0.0)
-        logger.info("local tier start: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(tm.items())))
+        tm["identity"] = (
+            tm["total"] - tm.get("own_primary", 0.0) - tm.get("repair", 0.0) - tm.get("agree", 0.0)
+        )
+        logger.info(
+            "local tier start: %s",
+            ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(tm.items())),
+        )
         _say(line + "".join(f"; {n}" for n in extra) + f" [{tm['total']:.2f} s]")
         return _Resolution(it, sd, cid, line)
 
@@ -982,12 +1121,18 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         """Every rank: this process does not use the local tier; quarantine, say why (one line)."""
         st = _STATE
         moved = self._quarantine()
-        target = (f"the newest persistent checkpoint: iteration {persistent} in {load_dir}" if persistent
-                  else f"no persistent checkpoint in {load_dir}: starting from initialization" if load_dir
-                  else "no --load directory: starting from initialization")
+        target = (
+            f"the newest persistent checkpoint: iteration {persistent} in {load_dir}"
+            if persistent
+            else f"no persistent checkpoint in {load_dir}: starting from initialization"
+            if load_dir
+            else "no --load directory: starting from initialization"
+        )
         extra = list(notes)
         if moved:
-            extra.append(f"{moved} local checkpoint file(s) moved to {Path(self.local_ckpt_dir) / QUARANTINE_DIR}")
+            extra.append(
+                f"{moved} local checkpoint file(s) moved to {Path(self.local_ckpt_dir) / QUARANTINE_DIR}"
+            )
         if reason is None:
             line = f"no local checkpoint in {self.local_ckpt_dir} -> loading {target}"
         else:
@@ -1022,9 +1167,11 @@ def _exit_now(iteration: int, reason: str) -> None:
     other ranks may be blocked in a collective; the launcher stops them)."""
     st = _STATE
     path = _write_marker(st.manager, iteration, reason)
-    _say(f"non-finite result at iteration {iteration} after resuming from the local checkpoint at "
-         f"iteration {st.local_load_iteration} ({_short(reason, 300)}); wrote {path}; exiting "
-         f"with code {LOCAL_TIER_BAD_EXIT_CODE}")
+    _say(
+        f"non-finite result at iteration {iteration} after resuming from the local checkpoint at "
+        f"iteration {st.local_load_iteration} ({_short(reason, 300)}); wrote {path}; exiting "
+        f"with code {LOCAL_TIER_BAD_EXIT_CODE}"
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(LOCAL_TIER_BAD_EXIT_CODE)
@@ -1039,9 +1186,14 @@ def _wrap_train_step(upstream):
         non-finite loss or grad norm marks the local tier bad and exits."""
         st = _STATE
         iteration = sig.bind(*a, **kw).arguments.get("iteration")
-        if (st is None or st.nan_window <= 0 or st.local_load_iteration is None
-                or st.manager is None or iteration is None
-                or not iteration < st.local_load_iteration + st.nan_window):
+        if (
+            st is None
+            or st.nan_window <= 0
+            or st.local_load_iteration is None
+            or st.manager is None
+            or iteration is None
+            or not iteration < st.local_load_iteration + st.nan_window
+        ):
             return upstream(*a, **kw)
         st.deferred = []
         st.deferring = True
@@ -1059,7 +1211,9 @@ def _wrap_train_step(upstream):
             return out
         loss_dict, _, _, should_exit, exit_code, grad_norm = out[:6]
         if should_exit and exit_code in _RERUN_EXIT_CODES:
-            reasons.append(f"rerun state machine requested exit code {exit_code} (result validation failed)")
+            reasons.append(
+                f"rerun state machine requested exit code {exit_code} (result validation failed)"
+            )
         for key, value in (loss_dict or {}).items():
             if not _is_finite_value(value):
                 reasons.append(f"'{key}' is {value}")
@@ -1070,11 +1224,13 @@ def _wrap_train_step(upstream):
         gathered = _gather(reasons)
         reason = f"non-finite training result: {_summarize(gathered)}"
         path = _write_marker(st.manager, iteration + 1, reason)
-        _say(f"non-finite result at iteration {iteration + 1}, {iteration + 1 - st.local_load_iteration} "
-             f"iteration(s) after resuming from the local checkpoint at iteration "
-             f"{st.local_load_iteration}: marked the local tier bad ({path}) and exiting with code "
-             f"{LOCAL_TIER_BAD_EXIT_CODE} without saving; the next start loads the persistent "
-             f"checkpoint")
+        _say(
+            f"non-finite result at iteration {iteration + 1}, {iteration + 1 - st.local_load_iteration} "
+            f"iteration(s) after resuming from the local checkpoint at iteration "
+            f"{st.local_load_iteration}: marked the local tier bad ({path}) and exiting with code "
+            f"{LOCAL_TIER_BAD_EXIT_CODE} without saving; the next start loads the persistent "
+            f"checkpoint"
+        )
         out = list(out)
         out[0], out[2], out[3], out[4] = {}, False, True, LOCAL_TIER_BAD_EXIT_CODE
         return tuple(out)
@@ -1084,8 +1240,9 @@ def _wrap_train_step(upstream):
 
 def _wrap_validate_result(upstream):
     @wraps_upstream(upstream)
-    def validate_result(self, result, rejection_func, message, comparison_func=None,
-                        tolerance=0.0, fatal=True):
+    def validate_result(
+        self, result, rejection_func, message, comparison_func=None, tolerance=0.0, fatal=True
+    ):
         """Upstream's ``validate_result``; deferred while the NaN window decides."""
         st = _STATE
         if st is not None and st.deferring and fatal:
@@ -1142,9 +1299,17 @@ def install(args: Any) -> None:
     window = getattr(args, "local_tier_nan_window", None)
     window = DEFAULT_NAN_WINDOW if window is None else int(window)
     if _STATE is not None:  # same object (holders keep it), every field as for a new process
-        vars(_STATE).update(vars(_State(validation=validation, nan_window=window, args=args,
-                                        settings=local_identity.run_settings(args),
-                                        topology=local_identity.topology(args))))
+        vars(_STATE).update(
+            vars(
+                _State(
+                    validation=validation,
+                    nan_window=window,
+                    args=args,
+                    settings=local_identity.run_settings(args),
+                    topology=local_identity.topology(args),
+                )
+            )
+        )
         return
 
     import megatron.core.rerun_state_machine as rsm
@@ -1153,25 +1318,49 @@ def install(args: Any) -> None:
 
     fn = getattr(training, "train_step", None)
     if fn is None or "iteration" not in inspect.signature(fn).parameters:
-        raise RuntimeError("local_tier: megatron.training.training.train_step is missing or has "
-                           "changed (expected a parameter 'iteration'); this module targets "
-                           "megatron-core 0.19.2")
+        raise RuntimeError(
+            "local_tier: megatron.training.training.train_step is missing or has "
+            "changed (expected a parameter 'iteration'); this module targets "
+            "megatron-core 0.19.2"
+        )
     if local_manager.LocalCheckpointManager is not LocalCheckpointManager:
-        raise RuntimeError("local_tier: nvidia_resiliency_ext LocalCheckpointManager was already "
-                           f"replaced by {local_manager.LocalCheckpointManager!r}")
-    if (rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE, rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION) != _RERUN_EXIT_CODES:
+        raise RuntimeError(
+            "local_tier: nvidia_resiliency_ext LocalCheckpointManager was already "
+            f"replaced by {local_manager.LocalCheckpointManager!r}"
+        )
+    if (
+        rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+        rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    ) != _RERUN_EXIT_CODES:
         raise RuntimeError("local_tier: upstream rerun exit codes changed")
 
-    _STATE = _State(validation=validation, nan_window=window, args=args,
-                    settings=local_identity.run_settings(args), topology=local_identity.topology(args))
-    _PATCHER.replace(local_manager, "LocalCheckpointManager", ValidatedLocalCheckpointManager,
-                     "pretrain() builds this class: local files are verified (checksums, identity, "
-                     "finiteness) and a bad local tier falls back to the persistent checkpoint")
+    _STATE = _State(
+        validation=validation,
+        nan_window=window,
+        args=args,
+        settings=local_identity.run_settings(args),
+        topology=local_identity.topology(args),
+    )
+    _PATCHER.replace(
+        local_manager,
+        "LocalCheckpointManager",
+        ValidatedLocalCheckpointManager,
+        "pretrain() builds this class: local files are verified (checksums, identity, "
+        "finiteness) and a bad local tier falls back to the persistent checkpoint",
+    )
     for owner, name, wrap, why in (
-        (training, "train_step", _wrap_train_step,
-         "the NaN window after a local-tier resume watches each iteration's loss and grad norm"),
-        (rsm.RerunStateMachine, "validate_result", _wrap_validate_result,
-         "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun"),
+        (
+            training,
+            "train_step",
+            _wrap_train_step,
+            "the NaN window after a local-tier resume watches each iteration's loss and grad norm",
+        ),
+        (
+            rsm.RerunStateMachine,
+            "validate_result",
+            _wrap_validate_result,
+            "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
+        ),
     ):
         original = getattr(owner, name)
         _UP[name] = original

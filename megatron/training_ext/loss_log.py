@@ -37,11 +37,24 @@ def install(path: str) -> None:
     upstream = _installed.get("upstream") or training.training_log
 
     @wraps_upstream(upstream)
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, params_norm, *args, **kwargs):
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        *args,
+        **kwargs,
+    ):
         """Upstream's ``training_log``, after appending this iteration's losses to the log."""
-        rank_ok = (not torch.distributed.is_initialized()
-                   or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)
+        rank_ok = (
+            not torch.distributed.is_initialized()
+            or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        )
         if rank_ok and loss_dict:
             record: dict[str, object] = {"iteration": int(iteration), "skipped": int(skipped_iter)}
             for key, value in list(loss_dict.items()) + [("grad norm", grad_norm)]:
@@ -51,12 +64,27 @@ def install(path: str) -> None:
                     record[f"{key} (decimal)"] = v
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        return upstream(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                        report_memory_flag, skipped_iter, grad_norm, params_norm, *args, **kwargs)
+        return upstream(
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            iteration,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            params_norm,
+            *args,
+            **kwargs,
+        )
 
     _PATCHER.restore()
-    _PATCHER.replace(training, "training_log", training_log,
-                     "--loss-log: each iteration's reduced losses and grad norm, exact (float.hex)")
+    _PATCHER.replace(
+        training,
+        "training_log",
+        training_log,
+        "--loss-log: each iteration's reduced losses and grad norm, exact (float.hex)",
+    )
     _installed.update(path=path, upstream=upstream)
 
 

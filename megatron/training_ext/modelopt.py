@@ -49,8 +49,9 @@ def enabled_quantizers(model: Any) -> Iterator[tuple[str, Any]]:
 
 def _needs_amax(quantizer: Any) -> bool:
     """True for a quantizer that calibration gives a fixed ``_amax`` (not dynamic, not MX)."""
-    return not getattr(quantizer, "_dynamic", False) and not getattr(quantizer, "is_mx_format",
-                                                                     False)
+    return not getattr(quantizer, "_dynamic", False) and not getattr(
+        quantizer, "is_mx_format", False
+    )
 
 
 def quantizer_summary(model: Any) -> dict[str, Any]:
@@ -67,8 +68,13 @@ def quantizer_summary(model: Any) -> dict[str, Any]:
     enabled = list(enabled_quantizers(model))
     static = [(n, q) for n, q in enabled if _needs_amax(q)]
     missing = [n for n, q in static if getattr(q, "_amax", None) is None]
-    return {"quantizers": total, "enabled": len(enabled), "static": len(static),
-            "calibrated": len(static) - len(missing), "uncalibrated": missing[:8]}
+    return {
+        "quantizers": total,
+        "enabled": len(enabled),
+        "static": len(static),
+        "calibrated": len(static) - len(missing),
+        "uncalibrated": missing[:8],
+    }
 
 
 def print_quant_summary(model: Any, msg: str = "") -> None:
@@ -80,8 +86,9 @@ def print_quant_summary(model: Any, msg: str = "") -> None:
         return
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
-        logger.warning("ModelOpt%s: rank 0 holds %s", f" ({msg})" if msg else "",
-                       quantizer_summary(model))
+        logger.warning(
+            "ModelOpt%s: rank 0 holds %s", f" ({msg})" if msg else "", quantizer_summary(model)
+        )
 
 
 def checkpoint_tensors(checkpoint_dir: Any) -> dict[str, tuple[tuple, torch.dtype]] | None:
@@ -94,8 +101,11 @@ def checkpoint_tensors(checkpoint_dir: Any) -> dict[str, tuple[tuple, torch.dtyp
         md = FileSystemReader(str(checkpoint_dir)).read_metadata()
     except Exception:  # noqa: BLE001 - not a DCP checkpoint: the caller leaves it to upstream
         return None
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)}
+    return {
+        k: (tuple(v.size), v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
 
 
 def latest_checkpoint_dir(load_dir: str | None) -> str | None:
@@ -144,11 +154,15 @@ def restore_modelopt_state_pre_wrap_hook(model: list) -> list:
 
     args = get_args()
     if len(model) != 1:
-        raise ValueError("--restore-modelopt-state: ModelOpt's sharded modelopt_state does not "
-                         "support virtual pipeline parallelism (got %d model chunks)" % len(model))
+        raise ValueError(
+            "--restore-modelopt-state: ModelOpt's sharded modelopt_state does not "
+            "support virtual pipeline parallelism (got %d model chunks)" % len(model)
+        )
     if args.ckpt_format != "torch_dist":
-        raise ValueError("--restore-modelopt-state needs --ckpt-format torch_dist (got "
-                         f"{args.ckpt_format}); ModelOpt keeps its state in <ckpt>/modelopt_state")
+        raise ValueError(
+            "--restore-modelopt-state needs --ckpt-format torch_dist (got "
+            f"{args.ckpt_format}); ModelOpt keeps its state in <ckpt>/modelopt_state"
+        )
     ckpt_dir = latest_checkpoint_dir(args.load)
     if ckpt_dir is None and getattr(args, "pretrained_checkpoint", None):
         ckpt_dir = latest_checkpoint_dir(args.pretrained_checkpoint)
@@ -158,7 +172,9 @@ def restore_modelopt_state_pre_wrap_hook(model: list) -> list:
             logger.warning(
                 "--restore-modelopt-state: %s holds no ModelOpt state (no <ckpt>/modelopt_state); "
                 "the model is built without it (a local checkpoint that holds ModelOpt state "
-                "restores it when it is loaded)", ckpt_dir or args.load)
+                "restores it when it is loaded)",
+                ckpt_dir or args.load,
+            )
         return model
     plugin = __import__(_MCORE_PLUGIN, fromlist=["restore_sharded_modelopt_state"])
     plugin.restore_sharded_modelopt_state(model, ckpt_dir)
@@ -189,8 +205,11 @@ def request_checkpointed_amax(model: list, ckpt_dir: str) -> list[str]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    missing = [(n, q) for n, q in enabled_quantizers(model)
-               if _needs_amax(q) and getattr(q, "_amax", None) is None]
+    missing = [
+        (n, q)
+        for n, q in enabled_quantizers(model)
+        if _needs_amax(q) and getattr(q, "_amax", None) is None
+    ]
     if not missing:
         return []
     ckpt = checkpoint_tensors(ckpt_dir) or {}
@@ -215,14 +234,25 @@ def request_checkpointed_amax(model: list, ckpt_dir: str) -> list[str]:
         if tuple(shape) != tuple(st.global_shape):
             del q._amax
             if tuple(st.local_shape) != tuple(st.global_shape):
-                logger.warning("modelopt: %s: checkpoint %s holds '%s' with shape %s, the "
-                               "model's placeholder is split %s of %s; not requested", name,
-                               ckpt_dir, st.key, shape, st.local_shape, st.global_shape)
+                logger.warning(
+                    "modelopt: %s: checkpoint %s holds '%s' with shape %s, the "
+                    "model's placeholder is split %s of %s; not requested",
+                    name,
+                    ckpt_dir,
+                    st.key,
+                    shape,
+                    st.local_shape,
+                    st.global_shape,
+                )
                 continue
             q.amax = torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
         requested.append(st.key)
     if requested:
-        logger.info("modelopt: requested %d quantizer amax tensor(s) that ModelOpt's sharded "
-                    "restore leaves out (e.g. '%s') from %s", len(requested), requested[0],
-                    ckpt_dir)
+        logger.info(
+            "modelopt: requested %d quantizer amax tensor(s) that ModelOpt's sharded "
+            "restore leaves out (e.g. '%s') from %s",
+            len(requested),
+            requested[0],
+            ckpt_dir,
+        )
     return requested

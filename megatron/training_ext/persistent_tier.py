@@ -63,7 +63,11 @@ def saved_checkpoints(directory: Optional[str]) -> List[str]:
     for e in os.scandir(directory):
         if e.name == TRACKER or (e.is_dir() and (_ITER.match(e.name) or e.name == "release")):
             out.append(e.name)
-        elif e.is_dir() and e.name == _NON_PERSISTENT and any(_ITER.match(x) for x in os.listdir(e.path)):
+        elif (
+            e.is_dir()
+            and e.name == _NON_PERSISTENT
+            and any(_ITER.match(x) for x in os.listdir(e.path))
+        ):
             out.append(e.name + "/")
     return sorted(out)
 
@@ -110,7 +114,8 @@ def check_save_dir(args: Any) -> None:
     raise SystemExit(
         f"pretrain_gpt.py: --save {save} already holds checkpoints ({_shown(held)}), but {why}; "
         f"its saves would overwrite them. To resume that run, pass --load {save}. To keep them, "
-        f"choose another --save. To start over in {save} and overwrite them, add {OVERWRITE_FLAG}.")
+        f"choose another --save. To start over in {save} and overwrite them, add {OVERWRITE_FLAG}."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,9 +125,9 @@ def check_save_dir(args: Any) -> None:
 
 @dataclass
 class _Policy:
-    write: bool = True        # write integrity.json at every torch_dist save
-    verify: bool = True       # hash the bytes at load when integrity.json is present
-    require: bool = False     # integrity.json must be present (upstream's --verify-integrity)
+    write: bool = True  # write integrity.json at every torch_dist save
+    verify: bool = True  # hash the bytes at load when integrity.json is present
+    require: bool = False  # integrity.json must be present (upstream's --verify-integrity)
 
 
 _POLICY: Optional[_Policy] = None
@@ -160,20 +165,30 @@ def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
         return
     collective = dist.is_available() and dist.is_initialized()
     hash_bytes = policy.verify and collective
-    summary = mf.verify_checkpoint_dir(d, require_manifest=require or policy.require, hash_bytes=hash_bytes,
-                                       group=group if collective else None)
+    summary = mf.verify_checkpoint_dir(
+        d,
+        require_manifest=require or policy.require,
+        hash_bytes=hash_bytes,
+        group=group if collective else None,
+    )
     if not collective:
         return
     _VERIFIED[key] = summary
     if summary.algorithm is None:
-        _say(f"{d.name}: no {mf.INTEGRITY_FNAME} (saved without checksums, e.g. by upstream "
-             f"Megatron-LM or with --no-verify-integrity): file sizes checked against .metadata, "
-             f"bytes not verified")
+        _say(
+            f"{d.name}: no {mf.INTEGRITY_FNAME} (saved without checksums, e.g. by upstream "
+            f"Megatron-LM or with --no-verify-integrity): file sizes checked against .metadata, "
+            f"bytes not verified"
+        )
     elif hash_bytes:
-        _say(f"{d.name}: verified {summary.files} files, {summary.bytes / 1e6:.1f} MB "
-             f"({summary.algorithm}) in {summary.seconds * 1e3:.0f} ms")
+        _say(
+            f"{d.name}: verified {summary.files} files, {summary.bytes / 1e6:.1f} MB "
+            f"({summary.algorithm}) in {summary.seconds * 1e3:.0f} ms"
+        )
     else:
-        _say(f"{d.name}: sizes of {summary.files} files checked (--no-verify-integrity: bytes not verified)")
+        _say(
+            f"{d.name}: sizes of {summary.files} files checked (--no-verify-integrity: bytes not verified)"
+        )
 
 
 def _bind(sig: inspect.Signature, args, kwargs) -> inspect.BoundArguments:
@@ -215,8 +230,11 @@ def _wrap_load(orig):
         """dist_checkpointing.load that verifies the directory first (once per process)
         (megatron.training_ext.persistent_tier)."""
         ba = _bind(sig, args, kwargs)
-        _ensure_verified(ba.arguments["checkpoint_dir"], bool(ba.arguments.get("verify_integrity")),
-                         ba.arguments.get("process_group"))
+        _ensure_verified(
+            ba.arguments["checkpoint_dir"],
+            bool(ba.arguments.get("verify_integrity")),
+            ba.arguments.get("process_group"),
+        )
         ba.arguments["verify_integrity"] = False
         return orig(*ba.args, **ba.kwargs)
 
@@ -244,10 +262,14 @@ def _previous_complete(failed: Path, tried: set) -> Optional[int]:
     cands = []
     for e in os.scandir(failed.parent):
         mm = _ITER.match(e.name)
-        if (mm and e.is_dir() and 0 < int(mm.group(1)) < below
-                and os.path.realpath(e.path) not in tried
-                and os.path.isfile(os.path.join(e.path, ".metadata"))
-                and os.path.isfile(os.path.join(e.path, "metadata.json"))):
+        if (
+            mm
+            and e.is_dir()
+            and 0 < int(mm.group(1)) < below
+            and os.path.realpath(e.path) not in tried
+            and os.path.isfile(os.path.join(e.path, ".metadata"))
+            and os.path.isfile(os.path.join(e.path, "metadata.json"))
+        ):
             cands.append(int(mm.group(1)))
     return max(cands, default=None)
 
@@ -273,10 +295,17 @@ def _wrap_load_checkpoint(orig, get_args):
                     if not user_step and failed.parent.name != _NON_PERSISTENT:
                         nxt = _previous_complete(failed, tried)
                     if nxt is None:
-                        raise CheckpointIntegrityError(failed, e.problems, e.detail,
-                                                       _no_fallback_advice(failed, user_step, failures)) from None
-                    _say(f"{failed.name} failed verification:\n" + "\n".join(f"  {p}" for p in e.problems)
-                         + f"\n{LOG_PREFIX} falling back to the previous complete checkpoint, iter_{nxt:07d}")
+                        raise CheckpointIntegrityError(
+                            failed,
+                            e.problems,
+                            e.detail,
+                            _no_fallback_advice(failed, user_step, failures),
+                        ) from None
+                    _say(
+                        f"{failed.name} failed verification:\n"
+                        + "\n".join(f"  {p}" for p in e.problems)
+                        + f"\n{LOG_PREFIX} falling back to the previous complete checkpoint, iter_{nxt:07d}"
+                    )
                     margs.ckpt_step = nxt
         finally:
             margs.ckpt_step = user_step
@@ -285,16 +314,24 @@ def _wrap_load_checkpoint(orig, get_args):
 
 
 def _no_fallback_advice(failed: Path, user_step, failures) -> str:
-    earlier = "" if len(failures) == 1 else (
-        "; earlier checkpoints also failed: " + ", ".join(Path(f.checkpoint_dir).name for f in failures[:-1]))
+    earlier = (
+        ""
+        if len(failures) == 1
+        else (
+            "; earlier checkpoints also failed: "
+            + ", ".join(Path(f.checkpoint_dir).name for f in failures[:-1])
+        )
+    )
     if user_step:
         why = f"--ckpt-step {user_step} asks for this one"
     elif failed.parent.name == _NON_PERSISTENT:
         why = "a global non-persistent checkpoint; remove it to resume from the persistent tier"
     else:
         why = f"no earlier complete checkpoint in {failed.parent} to fall back to"
-    return (f"{why}{earlier}. Restore the files from a copy, or choose another --ckpt-step; "
-            f"--no-verify-integrity loads without checksums, as upstream does (not recommended)")
+    return (
+        f"{why}{earlier}. Restore the files from a copy, or choose another --ckpt-step; "
+        f"--no-verify-integrity loads without checksums, as upstream does (not recommended)"
+    )
 
 
 def install(args: Any) -> None:
@@ -311,9 +348,11 @@ def install(args: Any) -> None:
             relied on (a megatron-core other than 0.19.2), naming the function.
     """
     global _POLICY
-    policy = _Policy(write=bool(getattr(args, "persistent_integrity", True)),
-                     verify=bool(getattr(args, "persistent_integrity", True)),
-                     require=bool(getattr(args, "verify_integrity", False)))
+    policy = _Policy(
+        write=bool(getattr(args, "persistent_integrity", True)),
+        verify=bool(getattr(args, "persistent_integrity", True)),
+        require=bool(getattr(args, "verify_integrity", False)),
+    )
     if _POLICY is not None:
         _POLICY = policy
         _VERIFIED.clear()
@@ -323,30 +362,51 @@ def install(args: Any) -> None:
     import megatron.training.checkpointing as ckpt
     import megatron.training.training as training
 
-    for fn, params in ((ser.save, ("checkpoint_dir", "verify_integrity")),
-                       (ser.load, ("checkpoint_dir", "verify_integrity")),
-                       (ckpt.load_checkpoint, ())):
+    for fn, params in (
+        (ser.save, ("checkpoint_dir", "verify_integrity")),
+        (ser.load, ("checkpoint_dir", "verify_integrity")),
+        (ckpt.load_checkpoint, ()),
+    ):
         missing = [p for p in params if p not in inspect.signature(fn).parameters]
         if missing:
-            raise RuntimeError(f"persistent_tier: {fn.__module__}.{fn.__qualname__} has no parameter "
-                               f"{missing[0]!r}; this module targets megatron-core 0.19.2")
+            raise RuntimeError(
+                f"persistent_tier: {fn.__module__}.{fn.__qualname__} has no parameter "
+                f"{missing[0]!r}; this module targets megatron-core 0.19.2"
+            )
     _POLICY = policy
     for owner in (dc, ser):
-        _PATCHER.replace(owner, "save", _wrap_save(getattr(owner, "save")),
-                         "every torch_dist save writes integrity.json (per-block xxh3) when done")
-        _PATCHER.replace(owner, "load", _wrap_load(getattr(owner, "load")),
-                         "a torch_dist load verifies sizes and checksums before reading")
-        _PATCHER.replace(owner, "load_common_state_dict",
-                         _wrap_load_common(getattr(owner, "load_common_state_dict")),
-                         "the common state is verified before it is unpickled")
+        _PATCHER.replace(
+            owner,
+            "save",
+            _wrap_save(owner.save),
+            "every torch_dist save writes integrity.json (per-block xxh3) when done",
+        )
+        _PATCHER.replace(
+            owner,
+            "load",
+            _wrap_load(owner.load),
+            "a torch_dist load verifies sizes and checksums before reading",
+        )
+        _PATCHER.replace(
+            owner,
+            "load_common_state_dict",
+            _wrap_load_common(owner.load_common_state_dict),
+            "the common state is verified before it is unpickled",
+        )
     wrapped = _wrap_load_checkpoint(ckpt.load_checkpoint, lambda: ckpt.get_args())
-    why = ("a checkpoint that fails verification falls back to the previous complete one, on "
-           "every rank together")
+    why = (
+        "a checkpoint that fails verification falls back to the previous complete one, on "
+        "every rank together"
+    )
     _PATCHER.replace(ckpt, "load_checkpoint", wrapped, why)
     if getattr(training, "load_checkpoint", None) is not None:
         _PATCHER.replace(training, "load_checkpoint", wrapped, why + " (train()'s own binding)")
-    logger.info("persistent_tier: installed (write=%s verify=%s require=%s)", policy.write, policy.verify,
-                policy.require)
+    logger.info(
+        "persistent_tier: installed (write=%s verify=%s require=%s)",
+        policy.write,
+        policy.verify,
+        policy.require,
+    )
 
 
 def uninstall() -> None:

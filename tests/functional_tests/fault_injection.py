@@ -75,8 +75,9 @@ def parse_fault(spec: str) -> dict:
         elif key in ("corrupt", "once"):
             out[key] = value
         else:
-            raise ValueError(f"{ENV_FAULT}: unknown key '{key}' "
-                             "(rank, iteration, wipe_local, corrupt, once)")
+            raise ValueError(
+                f"{ENV_FAULT}: unknown key '{key}' (rank, iteration, wipe_local, corrupt, once)"
+            )
     if "rank" not in out or "iteration" not in out:
         raise ValueError(f"{ENV_FAULT}: rank= and iteration= are required, got '{spec}'")
     return out
@@ -112,8 +113,9 @@ def parse_local_save_kill(spec: str) -> dict:
         if not sep:
             raise ValueError(f"{name}: '{part}' is not key=value")
         if key not in ("rank", "iteration", "moment", "fraction", "once"):
-            raise ValueError(f"{name}: unknown key '{key}' "
-                             "(rank, iteration, moment, fraction, once)")
+            raise ValueError(
+                f"{name}: unknown key '{key}' (rank, iteration, moment, fraction, once)"
+            )
         if key in out:
             raise ValueError(f"{name}: '{key}' given twice in '{spec}'")
         if key in ("rank", "iteration"):
@@ -125,8 +127,9 @@ def parse_local_save_kill(spec: str) -> dict:
                 raise ValueError(f"{name}: {key}={value} must be >= 0")
         elif key == "moment":
             if value not in LOCAL_SAVE_MOMENTS:
-                raise ValueError(f"{name}: unknown moment '{value}' "
-                                 f"(one of {', '.join(LOCAL_SAVE_MOMENTS)})")
+                raise ValueError(
+                    f"{name}: unknown moment '{value}' (one of {', '.join(LOCAL_SAVE_MOMENTS)})"
+                )
             out[key] = value
         elif key == "fraction":
             try:
@@ -144,8 +147,9 @@ def parse_local_save_kill(spec: str) -> dict:
     if missing:
         raise ValueError(f"{name}: {', '.join(k + '=' for k in missing)} required, got '{spec}'")
     if "fraction" in out and out["moment"] != "write":
-        raise ValueError(f"{name}: fraction= applies only to moment=write "
-                         f"(got moment={out['moment']})")
+        raise ValueError(
+            f"{name}: fraction= applies only to moment=write (got moment={out['moment']})"
+        )
     if out["moment"] == "write":
         out.setdefault("fraction", DEFAULT_WRITE_FRACTION)
     else:
@@ -222,8 +226,9 @@ def install_from_env(args) -> None:
     abort_spec = os.environ.get(ENV_ABORT_ASYNC)
     if abort_spec and "abort_async" not in _installed:
         if not abort_spec.isdigit() or not getattr(args, "async_save", False):
-            raise ValueError(f"{ENV_ABORT_ASYNC}={abort_spec!r}: needs an iteration number and "
-                             "--async-save")
+            raise ValueError(
+                f"{ENV_ABORT_ASYNC}={abort_spec!r}: needs an iteration number and --async-save"
+            )
         _install_async_abort(int(abort_spec), args.async_strategy)
 
 
@@ -237,10 +242,10 @@ def uninstall() -> None:
 def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> None:
     local_root = getattr(args, "non_persistent_local_ckpt_dir", None)
 
+    import megatron.training.training as training
     import torch
     import torch.distributed as dist
 
-    import megatron.training.training as training
     from megatron.training_ext import local_tier
 
     upstream = training.train_step
@@ -260,8 +265,7 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
                     Path(once).touch()
                 if fault["wipe_local"] and local_root:
                     shutil.rmtree(os.path.join(local_root, str(rank)), ignore_errors=True)
-                    _say(f"rank {rank}: deleted its local checkpoint directory "
-                         f"{local_root}/{rank}")
+                    _say(f"rank {rank}: deleted its local checkpoint directory {local_root}/{rank}")
                 if fault["corrupt"]:
                     pos = flip_byte_in_largest_storage(fault["corrupt"])
                     _say(f"rank {rank}: flipped a byte at offset {pos} of {fault['corrupt']}")
@@ -269,29 +273,38 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
-        if (nan_at is not None and iteration is not None and iteration + 1 == nan_at
-                and local_tier.loaded_local_iteration() is not None):
+        if (
+            nan_at is not None
+            and iteration is not None
+            and iteration + 1 == nan_at
+            and local_tier.loaded_local_iteration() is not None
+        ):
             model = bound.get("model")
             with torch.no_grad():
                 p = next(model[0].parameters())
                 p.data.fill_(float("nan"))
-            _say(f"rank {rank}: filled a parameter with NaN before iteration {nan_at} (resumed "
-                 f"from local iteration {local_tier.loaded_local_iteration()})")
+            _say(
+                f"rank {rank}: filled a parameter with NaN before iteration {nan_at} (resumed "
+                f"from local iteration {local_tier.loaded_local_iteration()})"
+            )
         return upstream(*a, **kw)
 
-    _PATCHER.replace(training, "train_step", train_step_with_faults,
-                     "test-only: crash a chosen rank before a chosen iteration "
-                     f"({ENV_FAULT}) or fill a parameter with NaN after a local-tier resume "
-                     f"({ENV_NAN}).")
+    _PATCHER.replace(
+        training,
+        "train_step",
+        train_step_with_faults,
+        "test-only: crash a chosen rank before a chosen iteration "
+        f"({ENV_FAULT}) or fill a parameter with NaN after a local-tier resume "
+        f"({ENV_NAN}).",
+    )
     _installed["train_step"] = upstream
 
 
 def _install_async_abort(at: int, strategy: str, timeout: float = 300.0) -> None:
     import time
 
-    import torch.distributed as dist
-
     import megatron.training.training as training
+    import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
     upstream = training.train_step
@@ -308,24 +321,33 @@ def _install_async_abort(at: int, strategy: str, timeout: float = 300.0) -> None
             rank = dist.get_rank()
             pending = async_utils._async_calls_queue.get_num_unfinalized_calls()
             deadline = time.monotonic() + timeout
-            while pending and (fs_module._results_queue is None
-                               or fs_module._results_queue.qsize() < 1):
+            while pending and (
+                fs_module._results_queue is None or fs_module._results_queue.qsize() < 1
+            ):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{ENV_ABORT_ASYNC}: the worker posted no write results "
-                                       f"of the save of iteration {at} within {timeout:.0f} s")
+                    raise RuntimeError(
+                        f"{ENV_ABORT_ASYNC}: the worker posted no write results "
+                        f"of the save of iteration {at} within {timeout:.0f} s"
+                    )
                 time.sleep(0.05)
             queue = fs_module._results_queue
             posted = queue.qsize() if queue is not None else 0
             dist.barrier()
             async_utils.reset_persistent_async_worker(strategy)
-            _say(f"rank {rank}: aborted async checkpointing before iteration {at + 1}: "
-                 f"{pending} save(s) not finalised, {posted} write result(s) posted by the worker")
+            _say(
+                f"rank {rank}: aborted async checkpointing before iteration {at + 1}: "
+                f"{pending} save(s) not finalised, {posted} write result(s) posted by the worker"
+            )
         return upstream(*a, **kw)
 
-    _PATCHER.replace(training, "train_step", train_step_with_async_abort,
-                     "test-only: abort async checkpointing with upstream's "
-                     "reset_persistent_async_worker after the worker wrote a save and before it "
-                     f"is finalised ({ENV_ABORT_ASYNC}).")
+    _PATCHER.replace(
+        training,
+        "train_step",
+        train_step_with_async_abort,
+        "test-only: abort async checkpointing with upstream's "
+        "reset_persistent_async_worker after the worker wrote a save and before it "
+        f"is finalised ({ENV_ABORT_ASYNC}).",
+    )
     _installed["abort_async"] = upstream
 
 
@@ -410,8 +432,10 @@ def install_local_save_kill(kill: dict) -> type:
 
         def save(self, state_dict, iteration, *a, **kw):
             if moment == "replicate" and target(iteration) and _claim(kill):
-                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment replicate: start of save(), "
-                         f"before replication and before any file)")
+                _sigkill(
+                    f"rank {_rank()}: SIGKILL {where} (moment replicate: start of save(), "
+                    f"before replication and before any file)"
+                )
             return super().save(state_dict, iteration, *a, **kw)
 
         def _save(self, state_dict, ckpt_id, *a, **kw):
@@ -445,20 +469,28 @@ def install_local_save_kill(kill: dict) -> type:
                 else:
                     f.write(data[:n])
                     f.flush()
-                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: {n} of {len(data)} "
-                         f"bytes (fraction {kill['fraction']}) of {path} written)")
+                _sigkill(
+                    f"rank {_rank()}: SIGKILL {where} (moment write: {n} of {len(data)} "
+                    f"bytes (fraction {kill['fraction']}) of {path} written)"
+                )
 
             during = Patcher("fault_injection")
-            during.replace(torch, "save", torch_save_prefix_then_kill,
-                           "test-only: the local save writes only a prefix of its first "
-                           f".dirty.pt file, then the rank is killed ({ENV_KILL_LOCAL_SAVE}, "
-                           "moment write).")
+            during.replace(
+                torch,
+                "save",
+                torch_save_prefix_then_kill,
+                "test-only: the local save writes only a prefix of its first "
+                f".dirty.pt file, then the rank is killed ({ENV_KILL_LOCAL_SAVE}, "
+                "moment write).",
+            )
             try:
                 result = super()._save(state_dict, ckpt_id, *a, **kw)
             finally:
                 during.restore()
-            _sigkill(f"rank {_rank()}: SIGKILL {where} (moment write: _save of {ckpt_id} wrote "
-                     f"no .dirty file through torch.save; killed after it returned)")
+            _sigkill(
+                f"rank {_rank()}: SIGKILL {where} (moment write: _save of {ckpt_id} wrote "
+                f"no .dirty file through torch.save; killed after it returned)"
+            )
             return result  # pragma: no cover
 
         def _save_killed_after_rename(self, state_dict, ckpt_id, *a, **kw):
@@ -471,33 +503,48 @@ def install_local_save_kill(kill: dict) -> type:
                     ``.dirty`` -> final rename."""
                     result = originals[name](src, dst, *ra, **rkw)
                     if ".dirty" in Path(src).name and ".dirty" not in Path(dst).name:
-                        _sigkill(f"rank {_rank()}: SIGKILL {where} (moment rename: right after "
-                                 f"{os.fspath(src)} -> {os.fspath(dst)})")
+                        _sigkill(
+                            f"rank {_rank()}: SIGKILL {where} (moment rename: right after "
+                            f"{os.fspath(src)} -> {os.fspath(dst)})"
+                        )
                     return result
+
                 return rename_then_kill
 
             during = Patcher("fault_injection")
             for name in originals:
-                during.replace(os, name, after(name),
-                               "test-only: the rank is killed right after the local save's first "
-                               f".dirty.pt -> .pt rename ({ENV_KILL_LOCAL_SAVE}, moment rename).")
+                during.replace(
+                    os,
+                    name,
+                    after(name),
+                    "test-only: the rank is killed right after the local save's first "
+                    f".dirty.pt -> .pt rename ({ENV_KILL_LOCAL_SAVE}, moment rename).",
+                )
             try:
                 result = super()._save(state_dict, ckpt_id, *a, **kw)
             finally:
                 during.restore()
-            _sigkill(f"rank {_rank()}: SIGKILL {where} (moment rename: _save of {ckpt_id} made no "
-                     f".dirty -> final rename; killed after it returned)")
+            _sigkill(
+                f"rank {_rank()}: SIGKILL {where} (moment rename: _save of {ckpt_id} made no "
+                f".dirty -> final rename; killed after it returned)"
+            )
             return result  # pragma: no cover
 
         def _cleanup(self, iteration, *a, **kw):
             if moment == "cleanup" and target(iteration) and _claim(kill):
-                _sigkill(f"rank {_rank()}: SIGKILL {where} (moment cleanup: start of "
-                         f"_cleanup({iteration}), older local checkpoints not removed yet)")
+                _sigkill(
+                    f"rank {_rank()}: SIGKILL {where} (moment cleanup: start of "
+                    f"_cleanup({iteration}), older local checkpoints not removed yet)"
+                )
             return super()._cleanup(iteration, *a, **kw)
 
     FaultInjectingLocalCheckpointManager.__qualname__ = f"FaultInjecting[{base.__qualname__}]"
-    _PATCHER.replace(local_manager, "LocalCheckpointManager", FaultInjectingLocalCheckpointManager,
-                     f"test-only: SIGKILL a chosen rank at a chosen moment of its local save "
-                     f"({ENV_KILL_LOCAL_SAVE}).")
+    _PATCHER.replace(
+        local_manager,
+        "LocalCheckpointManager",
+        FaultInjectingLocalCheckpointManager,
+        f"test-only: SIGKILL a chosen rank at a chosen moment of its local save "
+        f"({ENV_KILL_LOCAL_SAVE}).",
+    )
     _installed["local_manager"] = base
     return FaultInjectingLocalCheckpointManager

@@ -54,9 +54,17 @@ class Run:
         return min(self.losses) if self.losses else -1
 
 
-def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, loss_file: str = "losses.jsonl",
-                 timeout: float = 600, env: dict | None = None, check: bool = True,
-                 entry: Path = ENTRY) -> Run:
+def run_pretrain(
+    workdir: Path,
+    *args: str,
+    nproc: int = 2,
+    mock: bool = True,
+    loss_file: str = "losses.jsonl",
+    timeout: float = 600,
+    env: dict | None = None,
+    check: bool = True,
+    entry: Path = ENTRY,
+) -> Run:
     """Run ``torchrun --nproc-per-node N ENTRY [--cpu] TINY_GPT ARGS --loss-log FILE`` (``entry``:
     ``pretrain_gpt.py``, or :data:`FAULTS_ENTRY` for runs with fault injection).
 
@@ -67,8 +75,14 @@ def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, l
     log = workdir / loss_file
     if log.exists():
         log.unlink()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(entry)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(entry),
+    ]
     if device(env) == "cpu":
         cmd.append("--cpu")
     else:
@@ -77,14 +91,28 @@ def run_pretrain(workdir: Path, *args: str, nproc: int = 2, mock: bool = True, l
         if importlib.util.find_spec("transformer_engine") is None:
             cmd += ["--transformer-impl", "local"]
     cmd += TINY_GPT + (["--mock-data"] if mock else []) + list(args) + ["--loss-log", str(log)]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-                "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        cmd,
+        cwd=workdir,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     losses = loss_log.read(str(log)) if log.exists() else {}
     result = Run(proc.returncode, proc.stdout, losses)
     if check:
-        assert proc.returncode == 0, f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+        assert proc.returncode == 0, (
+            f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+        )
     return result
 
 
@@ -93,21 +121,47 @@ def both_tiers_at(work: Path, iteration: int) -> list[str]:
     (``work/local``, replicated: jump 1, factor 2) and a persistent ``torch_dist`` one
     (``work/ckpt``) of that same iteration: the local one at the last step, the persistent one at
     the end of training (``iteration`` is not a multiple of the save interval)."""
-    return ["--train-iters", str(iteration), "--save", str(work / "ckpt"), "--save-interval", "1000",
-            "--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "local",
-            "--non-persistent-save-interval", str(iteration),
-            "--non-persistent-local-ckpt-dir", str(work / "local"),
-            "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+    return [
+        "--train-iters",
+        str(iteration),
+        "--save",
+        str(work / "ckpt"),
+        "--save-interval",
+        "1000",
+        "--ckpt-format",
+        "torch_dist",
+        "--non-persistent-ckpt-type",
+        "local",
+        "--non-persistent-save-interval",
+        str(iteration),
+        "--non-persistent-local-ckpt-dir",
+        str(work / "local"),
+        "--replication",
+        "--replication-jump",
+        "1",
+        "--replication-factor",
+        "2",
+    ]
 
 
-def assert_bitwise_equal(reference: dict[int, dict], other: dict[int, dict], iterations: range,
-                         keys=("lm loss", "grad norm")) -> None:
+def assert_bitwise_equal(
+    reference: dict[int, dict],
+    other: dict[int, dict],
+    iterations: range,
+    keys=("lm loss", "grad norm"),
+) -> None:
     """Assert that ``other`` logged exactly (float.hex) the same values as ``reference``."""
     missing = [i for i in iterations if i not in other]
     assert not missing, f"iterations {missing} not logged by the resumed run"
-    diffs = [(i, k, reference[i][k], other[i][k]) for i in iterations for k in keys
-             if reference[i].get(k) != other[i].get(k)]
-    assert not diffs, "not bitwise equal (iteration, key, reference, resumed):\n" + "\n".join(map(str, diffs))
+    diffs = [
+        (i, k, reference[i][k], other[i][k])
+        for i in iterations
+        for k in keys
+        if reference[i].get(k) != other[i].get(k)
+    ]
+    assert not diffs, "not bitwise equal (iteration, key, reference, resumed):\n" + "\n".join(
+        map(str, diffs)
+    )
 
 
 #: Environment variable that tags every process of one launch (agent, workers, whatever they spawn):
@@ -144,7 +198,12 @@ def kill_tagged(tag: str) -> list[str]:
             break
         for pid in pids:
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{pid}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
                 os.kill(pid, signal.SIGKILL)
                 killed[pid] = f"{pid}: {cmdline.strip()[:200]}"
             except (ProcessLookupError, PermissionError, FileNotFoundError):
@@ -153,14 +212,28 @@ def kill_tagged(tag: str) -> list[str]:
     return list(killed.values())
 
 
-def pretrain_command(args, nproc: int = 2, mock: bool = True, env: dict | None = None,
-                     launcher: list[str] | None = None, log: Path | None = None,
-                     entry: Path = ENTRY) -> list[str]:
+def pretrain_command(
+    args,
+    nproc: int = 2,
+    mock: bool = True,
+    env: dict | None = None,
+    launcher: list[str] | None = None,
+    log: Path | None = None,
+    entry: Path = ENTRY,
+) -> list[str]:
     """The command :func:`run_pretrain` runs (``launcher`` defaults to ``python -m
     torch.distributed.run --nproc-per-node N --master-port <free>``), ``--loss-log log`` last."""
-    cmd = list(launcher) if launcher is not None else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}"]
+    cmd = (
+        list(launcher)
+        if launcher is not None
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+        ]
+    )
     cmd.append(str(entry))
     if device(env) == "cpu":
         cmd.append("--cpu")
@@ -176,8 +249,14 @@ def pretrain_command(args, nproc: int = 2, mock: bool = True, env: dict | None =
 
 
 def _launch_env(env: dict | None, tag: str) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-            "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {}), TAG_ENV: tag}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        **(env or {}),
+        TAG_ENV: tag,
+    }
 
 
 @dataclass
@@ -187,9 +266,17 @@ class ReapedRun(Run):
     leftovers: list[str]
 
 
-def run_pretrain_reaped(workdir: Path, *args: str, nproc: int = 2, mock: bool = True,
-                        loss_file: str = "losses.jsonl", timeout: float = 600, env: dict | None = None,
-                        check: bool = True, entry: Path = ENTRY) -> ReapedRun:
+def run_pretrain_reaped(
+    workdir: Path,
+    *args: str,
+    nproc: int = 2,
+    mock: bool = True,
+    loss_file: str = "losses.jsonl",
+    timeout: float = 600,
+    env: dict | None = None,
+    check: bool = True,
+    entry: Path = ENTRY,
+) -> ReapedRun:
     """:func:`run_pretrain` for runs in which a rank may be killed: output goes to a file
     (``<loss_file stem>.out`` in ``workdir``) and the call returns when ``torchrun`` exits, then
     ends whatever the run left running (see :data:`TAG_ENV`); they are listed in ``leftovers``."""
@@ -201,15 +288,24 @@ def run_pretrain_reaped(workdir: Path, *args: str, nproc: int = 2, mock: bool = 
     tag = f"{os.getpid()}-{time.time_ns()}"
     cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log, entry=entry)
     with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=_launch_env(env, tag), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env=_launch_env(env, tag),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         returncode = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tagged(tag)
         proc.wait()
-        raise AssertionError(f"pretrain_gpt.py did not finish within {timeout:.0f} s:\n"
-                             f"{out_path.read_text(errors='replace')[-6000:]}") from None
+        raise AssertionError(
+            f"pretrain_gpt.py did not finish within {timeout:.0f} s:\n"
+            f"{out_path.read_text(errors='replace')[-6000:]}"
+        ) from None
     leftovers = kill_tagged(tag)
     output = out_path.read_text(errors="replace")
     losses = loss_log.read(str(log)) if log.exists() else {}
@@ -225,8 +321,11 @@ def local_files(root: Path) -> dict[int, list[str]]:
     root = Path(root)
     if not root.is_dir():
         return {}
-    return {int(d.name): sorted(p.name for p in d.iterdir() if p.is_file())
-            for d in sorted(root.iterdir(), key=lambda d: d.name) if d.is_dir() and d.name.isdigit()}
+    return {
+        int(d.name): sorted(p.name for p in d.iterdir() if p.is_file())
+        for d in sorted(root.iterdir(), key=lambda d: d.name)
+        if d.is_dir() and d.name.isdigit()
+    }
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.5) -> None:
@@ -261,8 +360,10 @@ class Node:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_tree()
-            raise AssertionError(f"agent {' '.join(map(str, self.proc.args[:2]))} did not exit within "
-                                 f"{timeout:.0f} s:\n{self.output()[-6000:]}") from None
+            raise AssertionError(
+                f"agent {' '.join(map(str, self.proc.args[:2]))} did not exit within "
+                f"{timeout:.0f} s:\n{self.output()[-6000:]}"
+            ) from None
 
     def kill_tree(self) -> list[str]:
         """``SIGKILL`` to the agent and every process of this node (workers run in sessions of
@@ -276,11 +377,24 @@ class Node:
         return killed
 
 
-def start_node(workdir: Path, node_rank: int, nnodes: int, rdzv_endpoint: str, rdzv_id: str,
-               args: list[str], *, output: Path, loss_file: Path, nproc: int = 1, mock: bool = True,
-               env: dict | None = None, launcher: list[str] | None = None,
-               launcher_args: list[str] = (), script_args: list[str] = (),
-               entry: Path = ENTRY) -> Node:
+def start_node(
+    workdir: Path,
+    node_rank: int,
+    nnodes: int,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    args: list[str],
+    *,
+    output: Path,
+    loss_file: Path,
+    nproc: int = 1,
+    mock: bool = True,
+    env: dict | None = None,
+    launcher: list[str] | None = None,
+    launcher_args: list[str] = (),
+    script_args: list[str] = (),
+    entry: Path = ENTRY,
+) -> Node:
     """Start one node of a multi-node job on this machine, without waiting: ``LAUNCHER --nnodes N
     --nproc-per-node P --node-rank R --rdzv-backend c10d --rdzv-endpoint E --rdzv-id I
     --local-addr 127.0.0.<R+1> --rdzv-conf is_host=<R==0> LAUNCHER_ARGS ENTRY [--cpu]
@@ -296,12 +410,20 @@ def start_node(workdir: Path, node_rank: int, nnodes: int, rdzv_endpoint: str, r
     """
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = list(launcher or [sys.executable, "-m", "torch.distributed.run"])
-    cmd += [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
-            f"--local-addr=127.0.0.{node_rank + 1}", f"--rdzv-conf=is_host={int(node_rank == 0)}",
-            *launcher_args]
-    cmd = pretrain_command([*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file,
-                           entry=entry)
+    cmd += [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--local-addr=127.0.0.{node_rank + 1}",
+        f"--rdzv-conf=is_host={int(node_rank == 0)}",
+        *launcher_args,
+    ]
+    cmd = pretrain_command(
+        [*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file, entry=entry
+    )
     tag = f"{os.getpid()}-{time.time_ns()}-node{node_rank}"
     full_env = _launch_env(env, tag)
     # torchrun sets OMP_NUM_THREADS=1 only with --nproc-per-node > 1: with one worker per node it
@@ -309,8 +431,15 @@ def start_node(workdir: Path, node_rank: int, nnodes: int, rdzv_endpoint: str, r
     # from a run with one thread per rank
     full_env.setdefault("OMP_NUM_THREADS", "1")
     with open(output, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     return Node(proc, Path(output), tag)
 
 
@@ -318,8 +447,11 @@ def start_lines(output: str) -> dict[int, list[str]]:
     """rank -> the ``[local-tier]`` lines that rank printed about what its start used."""
     out: dict[int, list[str]] = {}
     for ln in output.splitlines():
-        if ln.startswith("[local-tier] rank ") and ("local checkpoint at iteration" in ln
-                                                   or "tier rejected" in ln or "no local checkpoint" in ln):
+        if ln.startswith("[local-tier] rank ") and (
+            "local checkpoint at iteration" in ln
+            or "tier rejected" in ln
+            or "no local checkpoint" in ln
+        ):
             if "is complete on all ranks" in ln:
                 continue
             rank = int(ln.split()[2].rstrip(":"))
@@ -340,8 +472,11 @@ def assert_printed_losses_match_log(run: Run, key: str = "lm loss") -> None:
     for that iteration, to the 7 significant digits printed."""
     printed = printed_losses(run.output, key)
     assert sorted(printed) == sorted(run.losses), (sorted(printed), sorted(run.losses))
-    wrong = {i: (p, f"{run.losses[i][f'{key} (decimal)']:.6E}") for i, p in printed.items()
-             if p != f"{run.losses[i][f'{key} (decimal)']:.6E}"}
+    wrong = {
+        i: (p, f"{run.losses[i][f'{key} (decimal)']:.6E}")
+        for i, p in printed.items()
+        if p != f"{run.losses[i][f'{key} (decimal)']:.6E}"
+    }
     assert not wrong, f"printed {key} != --loss-log value (iteration: printed, logged): {wrong}"
 
 
@@ -352,9 +487,11 @@ def save_timeline(output: str) -> list[tuple[str, int]]:
     tracker file written)."""
     import re
 
-    patterns = (("iteration", re.compile(r"\] iteration\s+(\d+)/")),
-                ("scheduled", re.compile(r"scheduled an async checkpoint save at iteration\s+(\d+)")),
-                ("saved", re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")))
+    patterns = (
+        ("iteration", re.compile(r"\] iteration\s+(\d+)/")),
+        ("scheduled", re.compile(r"scheduled an async checkpoint save at iteration\s+(\d+)")),
+        ("saved", re.compile(r"successfully saved checkpoint from iteration\s+(\d+)")),
+    )
     events = []
     for ln in output.splitlines():
         for kind, pattern in patterns:
@@ -374,5 +511,7 @@ def iterations_during_save(output: str, iteration: int) -> list[int]:
     events = save_timeline(output)
     assert ("saved", iteration) in events, f"checkpoint {iteration} was not finalised: {events}"
     end = events.index(("saved", iteration))
-    start = events.index(("scheduled", iteration)) if ("scheduled", iteration) in events[:end] else end
+    start = (
+        events.index(("scheduled", iteration)) if ("scheduled", iteration) in events[:end] else end
+    )
     return [n for kind, n in events[start:end] if kind == "iteration"]

@@ -47,9 +47,13 @@ def install() -> None:
         upstream(args)
         fault_injection.install_from_env(args)
 
-    _PATCHER.replace(fork_args, "install_training_hooks", install_training_hooks_and_faults,
-                     "test entrypoint only: after this fork's training hooks, install the fault "
-                     "hooks that MEGATRON_TEST_* variables arm (crash, NaN, SIGKILL, async abort).")
+    _PATCHER.replace(
+        fork_args,
+        "install_training_hooks",
+        install_training_hooks_and_faults,
+        "test entrypoint only: after this fork's training hooks, install the fault "
+        "hooks that MEGATRON_TEST_* variables arm (crash, NaN, SIGKILL, async abort).",
+    )
 
 
 def main() -> None:

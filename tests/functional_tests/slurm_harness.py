@@ -49,13 +49,20 @@ def ensure_installed(timeout: float = 600) -> None:
         return
     detail = ""
     if SETUP_SCRIPT.exists():
-        proc = subprocess.run(["bash", str(SETUP_SCRIPT)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        proc = subprocess.run(
+            ["bash", str(SETUP_SCRIPT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
         detail = proc.stdout.strip()[-500:]
     missing = missing_binaries()
     if missing:
-        raise SlurmUnavailable(f"SLURM not installed and not installable here (missing {missing}): "
-                               f"{detail or 'scripts/setup_test_services.sh not found'}")
+        raise SlurmUnavailable(
+            f"SLURM not installed and not installable here (missing {missing}): "
+            f"{detail or 'scripts/setup_test_services.sh not found'}"
+        )
 
 
 class LocalSlurm:
@@ -70,9 +77,14 @@ class LocalSlurm:
         start_timeout: seconds to wait for the node to become idle.
     """
 
-    def __init__(self, workdir: os.PathLike | str, cpus: Optional[int] = None,
-                 ctld_port: Optional[int] = None, slurmd_port: Optional[int] = None,
-                 start_timeout: float = 90.0):
+    def __init__(
+        self,
+        workdir: os.PathLike | str,
+        cpus: Optional[int] = None,
+        ctld_port: Optional[int] = None,
+        slurmd_port: Optional[int] = None,
+        start_timeout: float = 90.0,
+    ):
         self.dir = Path(workdir).resolve()
         self.cpus = int(cpus or os.cpu_count() or 1)
         self.ctld_port = int(ctld_port or free_port())
@@ -135,15 +147,18 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.dir / "log" / f"{name}.stdout", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+        )
         log.close()
         self._procs.append((name, proc))
 
     def _check_alive(self) -> None:
         for name, proc in self._procs:
             if proc.poll() is not None:
-                raise SlurmUnavailable(f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
+                raise SlurmUnavailable(
+                    f"{name} exited with {proc.returncode}: {self.log_tail(name)}"
+                )
 
     def log_tail(self, name: str, chars: int = 1500) -> str:
         """The end of a daemon's log (``munged``, ``slurmctld``, ``slurmd``)."""
@@ -162,15 +177,25 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         """
         ensure_installed()
         if os.geteuid() != 0:
-            raise SlurmUnavailable("the test SLURM runs its daemons as root (SlurmUser=root); not root")
+            raise SlurmUnavailable(
+                "the test SLURM runs its daemons as root (SlurmUser=root); not root"
+            )
         self._write_files()
         d = self.dir
         try:
-            self._spawn("munged", ["munged", "-F", "--force", f"--socket={self.socket}",
-                                   f"--key-file={d / 'munge' / 'munge.key'}",
-                                   f"--pid-file={d / 'munge' / 'munged.pid'}",
-                                   f"--seed-file={d / 'munge' / 'munged.seed'}",
-                                   f"--log-file={d / 'log' / 'munged.log'}"])
+            self._spawn(
+                "munged",
+                [
+                    "munged",
+                    "-F",
+                    "--force",
+                    f"--socket={self.socket}",
+                    f"--key-file={d / 'munge' / 'munge.key'}",
+                    f"--pid-file={d / 'munge' / 'munged.pid'}",
+                    f"--seed-file={d / 'munge' / 'munged.seed'}",
+                    f"--log-file={d / 'log' / 'munged.log'}",
+                ],
+            )
             self._wait_for(lambda: self.socket.exists(), "munged socket", 20)
             self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
             self._wait_for(self._ctld_answers, "slurmctld", 40)
@@ -182,12 +207,27 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         return self
 
     def _ctld_answers(self) -> bool:
-        return subprocess.run(["scontrol", "ping"], env=self.env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=30).stdout.find("UP") >= 0
+        return (
+            subprocess.run(
+                ["scontrol", "ping"],
+                env=self.env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=30,
+            ).stdout.find("UP")
+            >= 0
+        )
 
     def node_state(self) -> str:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"],
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=30,
+        ).stdout
         return out.strip().rstrip("*")
 
     def _wait_for(self, cond, what: str, timeout: float) -> None:
@@ -200,9 +240,11 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             except subprocess.TimeoutExpired:
                 pass
             time.sleep(0.5)
-        raise SlurmUnavailable(f"timed out after {timeout:.0f} s waiting for {what}; "
-                               f"slurmctld: {self.log_tail('slurmctld', 800)}; "
-                               f"slurmd: {self.log_tail('slurmd', 800)}")
+        raise SlurmUnavailable(
+            f"timed out after {timeout:.0f} s waiting for {what}; "
+            f"slurmctld: {self.log_tail('slurmctld', 800)}; "
+            f"slurmd: {self.log_tail('slurmd', 800)}"
+        )
 
     # -------------------------------------------------------------------------------- teardown
 

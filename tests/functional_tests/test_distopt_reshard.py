@@ -48,8 +48,10 @@ DP_CHANGE_RTOL = {"fp32": 1e-6, "bf16": 2e-4}
 
 def _error_ranks(output: str, text: str) -> set[int]:
     """Ranks whose error output holds a line starting with ``text`` (torchrun prefixes [rankN]:)."""
-    return {int(m.group(1)) for m in re.finditer(r"^\[rank(\d)\]: (?:\[rank\d\]: )?.*" + re.escape(text),
-                                                 output, re.M)}
+    return {
+        int(m.group(1))
+        for m in re.finditer(r"^\[rank(\d)\]: (?:\[rank\d\]: )?.*" + re.escape(text), output, re.M)
+    }
 
 
 def _saved(iteration_dir: Path) -> dict:
@@ -75,19 +77,37 @@ def _flat_tensors(tree, prefix="") -> dict[str, torch.Tensor]:
 
 # --- section: resume from a fully-reshardable checkpoint (same topology, DP 2 -> 1) ---------------
 
+
 @pytest.fixture(scope="module", params=sorted(PRECISION))
 def straight(request, tmp_path_factory):
     """20 iterations on 2 ranks (DP 2), a fully-reshardable checkpoint at 10 (and 20)."""
     work = tmp_path_factory.mktemp(f"straight_{request.param}")
-    run = run_pretrain(work, "--save", str(work / "ckpt"), "--save-interval", "10", *FULLY,
-                       *PRECISION[request.param])
+    run = run_pretrain(
+        work,
+        "--save",
+        str(work / "ckpt"),
+        "--save-interval",
+        "10",
+        *FULLY,
+        *PRECISION[request.param],
+    )
     assert sorted(run.losses) == list(range(1, 21))
     return SimpleNamespace(precision=request.param, ckpt=work / "ckpt", losses=run.losses)
 
 
 def _resume(straight, work: Path, nproc: int, env: dict | None = None, check: bool = True):
-    return run_pretrain(work, "--load", str(straight.ckpt), "--ckpt-step", "10", *FULLY,
-                        *PRECISION[straight.precision], nproc=nproc, env=env, check=check)
+    return run_pretrain(
+        work,
+        "--load",
+        str(straight.ckpt),
+        "--ckpt-step",
+        "10",
+        *FULLY,
+        *PRECISION[straight.precision],
+        nproc=nproc,
+        env=env,
+        check=check,
+    )
 
 
 def test_fully_reshardable_resume_is_bitwise(straight, tmp_path):
@@ -102,10 +122,18 @@ def test_fully_reshardable_resume_on_fewer_ranks_follows_the_run(straight, tmp_p
     resumed = _resume(straight, tmp_path, nproc=1)
     assert resumed.first_iteration() == 11 and sorted(resumed.losses) == list(RESUMED)
     rtol = DP_CHANGE_RTOL[straight.precision]
-    rel = {i: abs(float.fromhex(resumed.losses[i]["lm loss"]) / float.fromhex(straight.losses[i]["lm loss"]) - 1)
-           for i in RESUMED}
-    print(f"{straight.precision}: DP 2 -> 1, relative lm-loss difference per iteration: "
-          + ", ".join(f"{i}: {r:.1e}" for i, r in rel.items()))
+    rel = {
+        i: abs(
+            float.fromhex(resumed.losses[i]["lm loss"])
+            / float.fromhex(straight.losses[i]["lm loss"])
+            - 1
+        )
+        for i in RESUMED
+    }
+    print(
+        f"{straight.precision}: DP 2 -> 1, relative lm-loss difference per iteration: "
+        + ", ".join(f"{i}: {r:.1e}" for i, r in rel.items())
+    )
     assert rel[11] == 0, rel
     assert max(rel.values()) <= rtol, rel
 
@@ -125,10 +153,23 @@ def tp2(tmp_path_factory):
     then the advice of the refusal: resumed at TP 2 with --dist-ckpt-optim-fully-reshardable and
     saved right after the load (no iteration: --train-iters 10, --save-interval 1000)."""
     work = tmp_path_factory.mktemp("tp2")
-    first = run_pretrain(work, *AT_10, *TP2, *DISTOPT, "--save", str(work / "default"), "--save-interval", "10")
+    first = run_pretrain(
+        work, *AT_10, *TP2, *DISTOPT, "--save", str(work / "default"), "--save-interval", "10"
+    )
     assert sorted(first.losses) == list(range(1, 11))
-    convert = run_pretrain(work, *AT_10, *TP2, *FULLY, "--load", str(work / "default"),
-                           "--save", str(work / "fully"), "--save-interval", "1000", loss_file="convert.jsonl")
+    convert = run_pretrain(
+        work,
+        *AT_10,
+        *TP2,
+        *FULLY,
+        "--load",
+        str(work / "default"),
+        "--save",
+        str(work / "fully"),
+        "--save-interval",
+        "1000",
+        loss_file="convert.jsonl",
+    )
     assert convert.losses == {}, "the conversion must not train"
     assert (work / "fully" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     return work
@@ -137,29 +178,56 @@ def tp2(tmp_path_factory):
 def test_default_format_refuses_tp_change_naming_the_flag_that_works(tp2, tmp_path):
     run = run_pretrain(tmp_path, *AT_10, *DISTOPT, "--load", str(tp2 / "default"), check=False)
     assert run.returncode != 0 and run.losses == {}
-    ranks = _error_ranks(run.output, "RuntimeError: (TP, PP) mismatch after resume ((1, 1) vs (2, 1) "
-                                     "from checkpoint): this checkpoint holds the distributed optimizer's "
-                                     "state in the 'dp_reshardable' format")
+    ranks = _error_ranks(
+        run.output,
+        "RuntimeError: (TP, PP) mismatch after resume ((1, 1) vs (2, 1) "
+        "from checkpoint): this checkpoint holds the distributed optimizer's "
+        "state in the 'dp_reshardable' format",
+    )
     assert ranks == {0, 1}, run.output[-4000:]
     assert "adding --dist-ckpt-optim-fully-reshardable" in run.output
     assert "Please use `--ckpt-fully-parallel-save`" not in run.output
     # The message's other way on: --no-load-optim loads the weights resharded (no step here).
-    fresh = run_pretrain(tmp_path, *AT_10, *DISTOPT, "--load", str(tp2 / "default"), "--no-load-optim",
-                         loss_file="no_load_optim.jsonl")
-    assert fresh.losses == {} and "loaded checkpoint from" in fresh.output.lower(), fresh.output[-3000:]
+    fresh = run_pretrain(
+        tmp_path,
+        *AT_10,
+        *DISTOPT,
+        "--load",
+        str(tp2 / "default"),
+        "--no-load-optim",
+        loss_file="no_load_optim.jsonl",
+    )
+    assert fresh.losses == {} and "loaded checkpoint from" in fresh.output.lower(), fresh.output[
+        -3000:
+    ]
 
 
 def test_tp2_checkpoint_loads_at_tp1_dp2_with_every_value_in_place(tp2, tmp_path):
     """TP 2 / DP 1 -> TP 1 / DP 2, re-saved right after the load: every tensor of the checkpoint
     (model weights, main parameters, exp_avg, exp_avg_sq; global shapes) bitwise equal to the one
     saved at TP 2, per parameter; the optimizer step (param groups) kept."""
-    run = run_pretrain(tmp_path, *AT_10, *FULLY, "--load", str(tp2 / "fully"), "--save", str(tmp_path / "tp1"),
-                       "--save-interval", "1000")
+    run = run_pretrain(
+        tmp_path,
+        *AT_10,
+        *FULLY,
+        "--load",
+        str(tp2 / "fully"),
+        "--save",
+        str(tmp_path / "tp1"),
+        "--save-interval",
+        "1000",
+    )
     assert run.losses == {}
-    before, after = _saved(tp2 / "fully" / "iter_0000010"), _saved(tmp_path / "tp1" / "iter_0000010")
+    before, after = (
+        _saved(tp2 / "fully" / "iter_0000010"),
+        _saved(tmp_path / "tp1" / "iter_0000010"),
+    )
     tb, ta = _flat_tensors(before), _flat_tensors(after)
     weights = [k for k in tb if k.split(".")[0] in ("decoder", "embedding", "output_layer")]
-    opt = {s: [k for k in tb if k.startswith(f"optimizer.state.{s}.")] for s in ("param", "exp_avg", "exp_avg_sq")}
+    opt = {
+        s: [k for k in tb if k.startswith(f"optimizer.state.{s}.")]
+        for s in ("param", "exp_avg", "exp_avg_sq")
+    }
     assert len(weights) >= 10 and all(len(v) == len(weights) for v in opt.values()), (weights, opt)
     assert sorted(tb) == sorted(ta)
     differ = [k for k in tb if tb[k].shape != ta[k].shape or not torch.equal(tb[k], ta[k])]
@@ -173,7 +241,14 @@ def test_tp2_checkpoint_loads_at_tp1_dp2_with_every_value_in_place(tp2, tmp_path
 
 
 def test_guard_unfixed_upstream_cannot_change_tp(tp2, tmp_path):
-    run = run_pretrain(tmp_path, *AT_10, *FULLY, "--load", str(tp2 / "fully"), check=False,
-                       env={"MEGATRON_FIXES_DISABLE": "distopt_reshard"})
+    run = run_pretrain(
+        tmp_path,
+        *AT_10,
+        *FULLY,
+        "--load",
+        str(tp2 / "fully"),
+        check=False,
+        env={"MEGATRON_FIXES_DISABLE": "distopt_reshard"},
+    )
     assert run.returncode != 0 and run.losses == {}
     assert _error_ranks(run.output, "KeyError: 'step'"), run.output[-4000:]

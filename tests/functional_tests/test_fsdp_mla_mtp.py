@@ -35,14 +35,36 @@ pytestmark = pytest.mark.slow
 
 #: Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (launch.py's default for TP).
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
-FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-        "--use-distributed-optimizer", "--no-gradient-reduce-div-fusion",
-        "--ckpt-format", "fsdp_dtensor"]
+FSDP = [
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--use-distributed-optimizer",
+    "--no-gradient-reduce-div-fusion",
+    "--ckpt-format",
+    "fsdp_dtensor",
+]
 Q_LORA, KV_LORA, POS = 24, 16, 8
-MLA_MTP = ["--multi-latent-attention", "--q-lora-rank", str(Q_LORA), "--kv-lora-rank", str(KV_LORA),
-           "--qk-head-dim", "16", "--qk-pos-emb-head-dim", str(POS), "--v-head-dim", "12",
-           "--rope-type", "rope", "--mla-down-proj-fusion",
-           "--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+MLA_MTP = [
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    str(Q_LORA),
+    "--kv-lora-rank",
+    str(KV_LORA),
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    str(POS),
+    "--v-head-dim",
+    "12",
+    "--rope-type",
+    "rope",
+    "--mla-down-proj-fusion",
+    "--mtp-num-layers",
+    "1",
+    "--position-embedding-type",
+    "rope",
+]
 MODEL = FSDP + MLA_MTP
 OTHER_SEED = ["--seed", "999"]
 #: re-save what was loaded: train_iters == loaded iteration runs no step; pretrain() saves at the
@@ -77,15 +99,21 @@ def read_checkpoint(ckpt_dir: Path, scratch: Path) -> dict:
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and a.dtype == b.dtype
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
     return type(a) is type(b) and a == b
 
 
 def assert_checkpoints_bitwise(want: dict, got: dict) -> None:
-    assert set(want) == set(got), (f"keys only expected: {sorted(set(want) - set(got))[:10]}; "
-                                   f"only found: {sorted(set(got) - set(want))[:10]}")
+    assert set(want) == set(got), (
+        f"keys only expected: {sorted(set(want) - set(got))[:10]}; "
+        f"only found: {sorted(set(got) - set(want))[:10]}"
+    )
     bad = sorted(k for k in want if not _same(want[k], got[k]))
     assert not bad, f"{len(bad)} of {len(want)} entries differ, e.g. {bad[:10]}"
 
@@ -101,11 +129,21 @@ def _checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:
 
 def train_straight(work: Path, model: list, iterations: int = 4, **kw) -> dict:
     """Train ``iterations`` steps from scratch, saving every 2; returns the logged losses."""
-    run = run_pretrain(work, *model, "--train-iters", str(iterations), "--save", str(work / "ckpt"),
-                       "--save-interval", "2", **kw)
+    run = run_pretrain(
+        work,
+        *model,
+        "--train-iters",
+        str(iterations),
+        "--save",
+        str(work / "ckpt"),
+        "--save-interval",
+        "2",
+        **kw,
+    )
     assert sorted(run.losses) == list(range(1, iterations + 1))
     assert sorted(p.name for p in (work / "ckpt").glob("iter_*")) == [
-        f"iter_{i:07d}" for i in range(2, iterations + 1, 2)]
+        f"iter_{i:07d}" for i in range(2, iterations + 1, 2)
+    ]
     return run.losses
 
 
@@ -113,10 +151,22 @@ def resave_from_other_seed(work: Path, tmp_path: Path, model: list, **kw) -> tup
     """Load ``work``'s iteration-2 checkpoint into a model started from another seed and save it
     again without training; returns (what was loaded, what was re-saved) as full tensors."""
     load = _checkpoint_at(work / "ckpt", 2, tmp_path / "load")
-    run_pretrain(tmp_path, *model, *OTHER_SEED, *RESAVE, "--load", str(load),
-                 "--save", str(tmp_path / "resaved"), "--use-checkpoint-opt-param-scheduler", **kw)
-    return (read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path),
-            read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path))
+    run_pretrain(
+        tmp_path,
+        *model,
+        *OTHER_SEED,
+        *RESAVE,
+        "--load",
+        str(load),
+        "--save",
+        str(tmp_path / "resaved"),
+        "--use-checkpoint-opt-param-scheduler",
+        **kw,
+    )
+    return (
+        read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path),
+        read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path),
+    )
 
 
 def assert_unfused_layout(entries: dict) -> None:
@@ -155,12 +205,25 @@ def test_tp2_reload_from_other_seed_restores_every_entry_bitwise(tmp_path):
 def test_resume_is_bitwise(tmp_path, straight):
     work, losses = straight
     load = _checkpoint_at(work / "ckpt", 2, tmp_path / "ckpt")
-    resumed = run_pretrain(tmp_path, *MODEL, "--train-iters", "4", "--load", str(load),
-                           "--save", str(load), "--save-interval", "2", env=ENV)
+    resumed = run_pretrain(
+        tmp_path,
+        *MODEL,
+        "--train-iters",
+        "4",
+        "--load",
+        str(load),
+        "--save",
+        str(load),
+        "--save-interval",
+        "2",
+        env=ENV,
+    )
     assert resumed.first_iteration() == 3
     assert_bitwise_equal(losses, resumed.losses, range(3, 5))
-    assert_checkpoints_bitwise(read_checkpoint(work / "ckpt" / "iter_0000004", tmp_path),
-                               read_checkpoint(load / "iter_0000004", tmp_path))
+    assert_checkpoints_bitwise(
+        read_checkpoint(work / "ckpt" / "iter_0000004", tmp_path),
+        read_checkpoint(load / "iter_0000004", tmp_path),
+    )
 
 
 def _legacy_to_fixed(legacy: dict) -> dict:
@@ -185,9 +248,18 @@ def _legacy_to_fixed(legacy: dict) -> dict:
 
 def test_legacy_layout_checkpoint_loads_into_fixed_entrypoint(tmp_path):
     legacy_dir = tmp_path / "legacy"
-    run_pretrain(legacy_dir, *MODEL, "--train-iters", "2", "--save", str(legacy_dir / "ckpt"),
-                 "--save-interval", "2", nproc=1,
-                 env={**ENV, "MEGATRON_FIXES_DISABLE": "fsdp_dtensor"})
+    run_pretrain(
+        legacy_dir,
+        *MODEL,
+        "--train-iters",
+        "2",
+        "--save",
+        str(legacy_dir / "ckpt"),
+        "--save-interval",
+        "2",
+        nproc=1,
+        env={**ENV, "MEGATRON_FIXES_DISABLE": "fsdp_dtensor"},
+    )
     legacy = read_checkpoint(legacy_dir / "ckpt" / "iter_0000002", tmp_path)
     fused = [k for k in legacy if k.startswith("model.") and "linear_qkv_down_proj" in k]
     assert len(fused) == 3, fused  # decoder layers 0, 1 and the MTP layer: the unfixed layout
@@ -195,8 +267,17 @@ def test_legacy_layout_checkpoint_loads_into_fixed_entrypoint(tmp_path):
     assert not [k for k in legacy if "linear_q_down_proj" in k or ".transformer_layer." in k]
 
     fixed_dir = tmp_path / "fixed"
-    run = run_pretrain(fixed_dir, *MODEL, *OTHER_SEED, *RESAVE, "--load",
-                       str(legacy_dir / "ckpt"), "--save", str(fixed_dir / "ckpt"), env=ENV)
+    run = run_pretrain(
+        fixed_dir,
+        *MODEL,
+        *OTHER_SEED,
+        *RESAVE,
+        "--load",
+        str(legacy_dir / "ckpt"),
+        "--save",
+        str(fixed_dir / "ckpt"),
+        env=ENV,
+    )
     assert LEGACY_NOTICE in run.output  # detected from the checkpoint's metadata
     got = read_checkpoint(fixed_dir / "ckpt" / "iter_0000002", tmp_path)
     assert_checkpoints_bitwise(_legacy_to_fixed(legacy), got)

@@ -41,14 +41,22 @@ WORLD = 2
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                       reason="needs Transformer Engine"),
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
-                       reason=f"needs {WORLD} GPUs"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
+    ),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+        reason=f"needs {WORLD} GPUs",
+    ),
 ]
 
-GPU_ENV = {**ENV, "MEGATRON_TEST_DEVICE": "cuda", "NCCL_ALGO": "Ring",
-           "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+GPU_ENV = {
+    **ENV,
+    "MEGATRON_TEST_DEVICE": "cuda",
+    "NCCL_ALGO": "Ring",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+}
 TE_MODEL = MODEL + ["--transformer-impl", "transformer_engine", "--deterministic-mode"]
 
 
@@ -59,21 +67,34 @@ def straight(tmp_path_factory):
 
 
 def test_te_absorbed_layernorm_stored_unfused_and_reload_is_bitwise(tmp_path, straight):
-    want, got = resave_from_other_seed(straight[0], tmp_path, TE_MODEL, nproc=WORLD, env=GPU_ENV,
-                                       timeout=1800)
+    want, got = resave_from_other_seed(
+        straight[0], tmp_path, TE_MODEL, nproc=WORLD, env=GPU_ENV, timeout=1800
+    )
     assert_unfused_layout(want)
     model_keys = [k for k in want if k.startswith("model.")]
     # the absorbed layernorm is stored as the layer's input_layernorm, not as TE's parameter
     assert not [k for k in model_keys if "down_proj.layer_norm" in k]
     for layer in ("decoder.layers.0.", "decoder.layers.1.", "mtp.layers.0.transformer_layer."):
-        assert any(layer + "input_layernorm.weight" in k for k in model_keys), (layer, model_keys[:20])
+        assert any(layer + "input_layernorm.weight" in k for k in model_keys), (
+            layer,
+            model_keys[:20],
+        )
     assert_checkpoints_bitwise(want, got)
 
 
 def test_te_resume_is_bitwise(tmp_path, straight):
     work, losses = straight
     load = _checkpoint_at(work / "ckpt", 2, tmp_path / "ckpt")
-    resumed = run_pretrain(tmp_path, *TE_MODEL, "--train-iters", "4", "--load", str(load),
-                           nproc=WORLD, env=GPU_ENV, timeout=1800)
+    resumed = run_pretrain(
+        tmp_path,
+        *TE_MODEL,
+        "--train-iters",
+        "4",
+        "--load",
+        str(load),
+        nproc=WORLD,
+        env=GPU_ENV,
+        timeout=1800,
+    )
     assert resumed.first_iteration() == 3
     assert_bitwise_equal(losses, resumed.losses, range(3, 5))

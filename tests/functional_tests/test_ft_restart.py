@@ -52,10 +52,25 @@ pytestmark = pytest.mark.slow
 FT_LAUNCHER = Path(sys.executable).parent / "ft_launcher"
 FT_EXAMPLE = REPO / "examples" / "ft_launcher" / "pretrain_gpt_ft.sh"
 SCHEDULE = ["--train-iters", "16", "--exit-interval", "12"]
-TIERS = ["--save", "ckpt", "--load", "ckpt", "--save-interval", "5",
-         "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "2",
-         "--non-persistent-local-ckpt-dir", "local",
-         "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+TIERS = [
+    "--save",
+    "ckpt",
+    "--load",
+    "ckpt",
+    "--save-interval",
+    "5",
+    "--non-persistent-ckpt-type",
+    "local",
+    "--non-persistent-save-interval",
+    "2",
+    "--non-persistent-local-ckpt-dir",
+    "local",
+    "--replication",
+    "--replication-jump",
+    "1",
+    "--replication-factor",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +78,26 @@ def ft_launcher():
     """Path of ``ft_launcher``, or skip with the reason it cannot run here."""
     if not FT_LAUNCHER.exists():
         pytest.skip(f"ft_launcher not installed next to {sys.executable} (nvidia-resiliency-ext)")
-    proc = subprocess.run([str(FT_LAUNCHER), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [str(FT_LAUNCHER), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode != 0:
         pytest.skip(f"ft_launcher --help failed ({proc.returncode}): {proc.stdout[-1000:]}")
     return FT_LAUNCHER
 
 
-def run_ft(workdir: Path, *args: str, env: dict | None = None, max_restarts: int = 1,
-           timeout: float = 1500, entry: Path = ENTRY) -> tuple[int, str, Path]:
+def run_ft(
+    workdir: Path,
+    *args: str,
+    env: dict | None = None,
+    max_restarts: int = 1,
+    timeout: float = 1500,
+    entry: Path = ENTRY,
+) -> tuple[int, str, Path]:
     """The example launcher ``examples/ft_launcher/pretrain_gpt_ft.sh`` (ft_launcher with
     ``ft_config.yaml``, 2 workers, ``--enable-ft-package``) running
     ``ENTRY [--cpu] TINY_GPT ARGS`` in ``workdir`` (``pretrain_gpt.py``, or ``FAULTS_ENTRY`` with
@@ -82,12 +108,28 @@ def run_ft(workdir: Path, *args: str, env: dict | None = None, max_restarts: int
     if device(env) == "cpu":
         cmd.append("--cpu")
     cmd += TINY_GPT + ["--mock-data"] + list(args) + ["--loss-log", str(log)]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NPROC_PER_NODE": "2", "NNODES": "1",
-                "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "FT_MAX_RESTARTS": str(max_restarts),
-                "FT_LAUNCHER": str(FT_LAUNCHER), "PYTHON": sys.executable, **(env or {})}
-    proc = subprocess.run(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "NPROC_PER_NODE": "2",
+        "NNODES": "1",
+        "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "FT_MAX_RESTARTS": str(max_restarts),
+        "FT_LAUNCHER": str(FT_LAUNCHER),
+        "PYTHON": sys.executable,
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        cmd,
+        cwd=workdir,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout, log
 
 
@@ -132,8 +174,9 @@ def corrupted_replica_run(ft_launcher, tmp_path_factory):
     work = tmp_path_factory.mktemp("corrupt")
     # the file rank 0 holds for rank 1 and will send to it after rank 1's directory is gone
     replica = work / "local" / "0" / "iter_0000006_1_local.pt"
-    rc, out, log = run_ft(work, *SCHEDULE, *TIERS, env=_fault(work, corrupt=replica),
-                          entry=FAULTS_ENTRY)
+    rc, out, log = run_ft(
+        work, *SCHEDULE, *TIERS, env=_fault(work, corrupt=replica), entry=FAULTS_ENTRY
+    )
     return work, rc, out, log
 
 
@@ -142,7 +185,10 @@ def test_corrupted_replica_falls_back_to_persistent(corrupted_replica_run, strai
     assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
     assert "[fault-injection] rank 1: flipped a byte" in out
     lines = rejection_lines(out)
-    assert sorted(ln.split(":")[0] for ln in lines) == ["[local-tier] rank 0", "[local-tier] rank 1"], lines
+    assert sorted(ln.split(":")[0] for ln in lines) == [
+        "[local-tier] rank 0",
+        "[local-tier] rank 1",
+    ], lines
     for ln in lines:
         assert "local checkpoint at iteration 6 failed" in ln and "ChecksumMismatchError" in ln, ln
         assert "checksum mismatch" in ln, ln
@@ -154,11 +200,15 @@ def test_corrupted_replica_falls_back_to_persistent(corrupted_replica_run, strai
     # rejected files were quarantined, then removed at the first complete local save (6)
     for holder in (0, 1):
         d = work / "local" / str(holder)
-        assert sorted(p.name for p in d.iterdir()) == ["iter_0000012_0_local.pt", "iter_0000012_1_local.pt"]
+        assert sorted(p.name for p in d.iterdir()) == [
+            "iter_0000012_0_local.pt",
+            "iter_0000012_1_local.pt",
+        ]
 
 
 def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
-        corrupted_replica_run, tmp_path, straight):
+    corrupted_replica_run, tmp_path, straight
+):
     src, rc, _, _ = corrupted_replica_run
     assert rc == 0
     work = tmp_path / "nan"
@@ -168,8 +218,9 @@ def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
     env = {"MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD": "14"}
     args = ["--train-iters", "16", *TIERS]
 
-    first = run_pretrain(work, *args, env=env, check=False, loss_file="first.jsonl",
-                         entry=FAULTS_ENTRY)
+    first = run_pretrain(
+        work, *args, env=env, check=False, loss_file="first.jsonl", entry=FAULTS_ENTRY
+    )
     assert first.returncode != 0
     assert f"exitcode  : {LOCAL_TIER_BAD_EXIT_CODE}" in first.output, first.output[-4000:]
     assert "local checkpoint at iteration 12 verified on all ranks" in first.output
@@ -179,12 +230,15 @@ def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
         assert marker["iteration"] == 14 and marker["local_checkpoint_iteration"] == 12
         assert marker["exit_code"] == LOCAL_TIER_BAD_EXIT_CODE and marker["rank"] == rank
         assert "non-finite" in marker["reason"] or "NaN" in marker["reason"], marker
-    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10", \
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10", (
         "nothing may be saved from the diverged state"
+    )
 
     second = run_pretrain(work, *args, env=env, loss_file="second.jsonl", entry=FAULTS_ENTRY)
     lines = rejection_lines(second.output)
-    assert len(lines) == 2 and all("bad-tier marker" in ln and "at iteration 14" in ln for ln in lines), lines
+    assert len(lines) == 2 and all(
+        "bad-tier marker" in ln and "at iteration 14" in ln for ln in lines
+    ), lines
     assert all("iteration 10 in ckpt" in ln for ln in lines), lines
     assert "[fault-injection]" not in second.output, "resumed from persistent: no injection"
     assert sorted(second.losses) == list(range(11, 17))

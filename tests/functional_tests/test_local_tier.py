@@ -32,8 +32,10 @@ def _tasd(rank: int, tensors: dict):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
-    sharded = {k: ShardedTensor.from_rank_offsets(k, t, (0, rank, WORLD), prepend_axis_num=1)
-               for k, t in tensors.items()}
+    sharded = {
+        k: ShardedTensor.from_rank_offsets(k, t, (0, rank, WORLD), prepend_axis_num=1)
+        for k, t in tensors.items()
+    }
     tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sharded, algo="fully_parallel")
     return tasd
 
@@ -42,8 +44,11 @@ def _tensors(rank: int, nan: bool = False) -> dict:
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * rank
     if nan:
         w[1, 1] = float("nan")
-    return {"layer.weight": w, "layer.bias": torch.full((4,), float(rank)),
-            "step": torch.tensor([7 + rank], dtype=torch.int64)}
+    return {
+        "layer.weight": w,
+        "layer.bias": torch.full((4,), float(rank)),
+        "step": torch.tensor([7 + rank], dtype=torch.int64),
+    }
 
 
 def _manager(root, replicated: bool):
@@ -52,7 +57,11 @@ def _manager(root, replicated: bool):
     )
     from nvidia_resiliency_ext.checkpointing.local.replication import strategies
 
-    strategy = strategies.CliqueReplicationStrategy.from_replication_params(1, WORLD) if replicated else None
+    strategy = (
+        strategies.CliqueReplicationStrategy.from_replication_params(1, WORLD)
+        if replicated
+        else None
+    )
     return LocalCheckpointManager(str(root), repl_strategy=strategy)
 
 
@@ -99,14 +108,18 @@ def _values(sd) -> dict:
 def _scenarios(rank, world, root):
     import torch.distributed as dist
 
+    from megatron.fixes.replication import FIX as replication_fix
     from megatron.integrity import checksums as ck
     from megatron.training_ext import local_tier as lt
 
-    from megatron.fixes.replication import FIX as replication_fix
-
     replication_fix.apply()  # as pretrain_gpt.py does: checksummed replicas, retrieval over gloo
-    args = argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=True,
-                              local_tier_nan_window=3, seed=1234, tensor_model_parallel_size=1)
+    args = argparse.Namespace(
+        non_persistent_ckpt_type="local",
+        local_tier_validation=True,
+        local_tier_nan_window=3,
+        seed=1234,
+        tensor_model_parallel_size=1,
+    )
     lt.install(args)
     st = lt._STATE
     try:
@@ -115,7 +128,9 @@ def _scenarios(rank, world, root):
         _save(a, rank, replicated=False)
         stored = torch.load(_file(a, rank, rank), weights_only=False)
         record = ck.get_record(stored)
-        assert record is not None and record["owner_rank"] == rank and len(record["entries"]) == 3, "A"
+        assert (
+            record is not None and record["owner_rank"] == rank and len(record["entries"]) == 3
+        ), "A"
         assert getattr(stored, lt.FINITE_ATTR)["finite"] == [True, True, True], "A"
         sd, err, _ = _load(a, replicated=False)
         assert err is None, f"A: {err}"
@@ -131,11 +146,14 @@ def _scenarios(rank, world, root):
         sd, err, m = _load(b, replicated=False)
         assert sd is None and err is not None, "B: corrupted file accepted"
         assert "local checkpoint at iteration 1 failed" in err and "rank 1" in err, f"B: {err}"
-        assert "checksum mismatch" in err and "no verified copy of rank 1's shard" in err, f"B: {err}"
+        assert "checksum mismatch" in err and "no verified copy of rank 1's shard" in err, (
+            f"B: {err}"
+        )
         assert m.latest_iteration == -1, "B"
         assert sorted(os.listdir(os.path.join(b, str(rank)))) == [lt.QUARANTINE_DIR], "B"
         assert os.listdir(os.path.join(b, str(rank), lt.QUARANTINE_DIR)) == [
-            f"iter_0000001_{rank}_local.pt"], "B"
+            f"iter_0000001_{rank}_local.pt"
+        ], "B"
 
         # C: no replication, rank 0's file truncated (torch.load raises on rank 0 only): both
         # ranks get the same verdict instead of rank 1 waiting in a collective.
@@ -158,8 +176,10 @@ def _scenarios(rank, world, root):
             tensors = list(forged.tensors)
             tensors[0].view(-1)[0] = float("nan")
             rec = ck.get_record(forged)
-            entries = [ck.make_entry(i, e["key"], t, global_offset=e["global_offset"])
-                       for i, (e, t) in enumerate(zip(rec["entries"], tensors))]
+            entries = [
+                ck.make_entry(i, e["key"], t, global_offset=e["global_offset"])
+                for i, (e, t) in enumerate(zip(rec["entries"], tensors))
+            ]
             ck.attach_record(forged, ck.make_record(rec["owner_rank"], entries))
             torch.save(forged, path)
         else:
@@ -182,7 +202,9 @@ def _scenarios(rank, world, root):
         # E: a tensor that was already NaN when its owner saved it is not a reason to reject.
         e = os.path.join(root, "e")
         _save(e, rank, replicated=False, nan=(rank == 0))
-        flags = getattr(torch.load(_file(e, rank, rank), weights_only=False), lt.FINITE_ATTR)["finite"]
+        flags = getattr(torch.load(_file(e, rank, rank), weights_only=False), lt.FINITE_ATTR)[
+            "finite"
+        ]
         assert flags == ([False, True, True] if rank == 0 else [True, True, True]), f"E: {flags}"
         sd, err, _ = _load(e, replicated=False)
         assert err is None, f"E: {err}"
@@ -193,12 +215,21 @@ def _scenarios(rank, world, root):
         _save(f_root, rank, replicated=True)
         if rank == 1:
             with open(os.path.join(f_root, "1", lt.MARKER_NAME), "w") as fh:
-                json.dump({"iteration": 9, "local_checkpoint_iteration": 8, "reason": "loss is nan",
-                           "time": "t"}, fh)
+                json.dump(
+                    {
+                        "iteration": 9,
+                        "local_checkpoint_iteration": 8,
+                        "reason": "loss is nan",
+                        "time": "t",
+                    },
+                    fh,
+                )
             os.makedirs(os.path.join(f_root, "1", lt.QUARANTINE_DIR))
         dist.barrier()
         sd, reason, _ = _load(f_root, replicated=True)
-        assert sd is None and "rank 1 marked the local tier bad at iteration 9" in reason, f"F: {reason}"
+        assert sd is None and "rank 1 marked the local tier bad at iteration 9" in reason, (
+            f"F: {reason}"
+        )
         assert "loss is nan" in reason, f"F: {reason}"
         st.marker_written = False
         _save(f_root, rank, replicated=True, iteration=2)
@@ -223,7 +254,9 @@ def _scenarios(rank, world, root):
         assert err is None, f"I: {err}"
         assert torch.equal(_values(sd)["layer.weight"], _tensors(rank)["layer.weight"]), "I"
         if rank == 1:
-            assert os.listdir(os.path.join(i_root, "1", lt.QUARANTINE_DIR)) == ["iter_0000001_1_local.pt"], "I"
+            assert os.listdir(os.path.join(i_root, "1", lt.QUARANTINE_DIR)) == [
+                "iter_0000001_1_local.pt"
+            ], "I"
 
         # J: saved under TP=1, loaded with TP=2: every copy is of another topology; rejected on
         # both ranks with the setting named, no collective on the files' contents.
@@ -234,14 +267,18 @@ def _scenarios(rank, world, root):
         sd, err, _ = _load(j_root, replicated=True)
         st.args.tensor_model_parallel_size = 1
         lt.install(st.args)
-        assert sd is None and "tensor_model_parallel_size 1 (checkpoint) vs 2 (this run)" in err, f"J: {err}"
+        assert sd is None and "tensor_model_parallel_size 1 (checkpoint) vs 2 (this run)" in err, (
+            f"J: {err}"
+        )
 
         # K: a leftover of a killed save (a partial .dirty.pt of the iteration about to be saved)
         # neither blocks the save (upstream: SameMachineReplicationException) nor survives it.
         k_root = os.path.join(root, "k")
         for owner in range(WORLD):
             os.makedirs(os.path.join(k_root, str(rank)), exist_ok=True)
-            with open(os.path.join(k_root, str(rank), f"iter_0000003_{owner}_local.dirty.pt"), "wb") as fh:
+            with open(
+                os.path.join(k_root, str(rank), f"iter_0000003_{owner}_local.dirty.pt"), "wb"
+            ) as fh:
                 fh.write(b"partial")
         from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
             SameMachineReplicationException,
@@ -249,16 +286,22 @@ def _scenarios(rank, world, root):
         from nvidia_resiliency_ext.checkpointing.local.replication import strategies
 
         upstream = lt.LocalCheckpointManager(  # guard: NVRx's own class fails on the leftover
-            k_root, repl_strategy=strategies.CliqueReplicationStrategy.from_replication_params(1, WORLD))
+            k_root,
+            repl_strategy=strategies.CliqueReplicationStrategy.from_replication_params(1, WORLD),
+        )
         assert upstream.__class__.__module__.startswith("nvidia_resiliency_ext")
         with pytest.raises(SameMachineReplicationException, match="already exists"):
             upstream.save(_tasd(rank, _tensors(rank)), 3)
         dist.barrier()
         _save(k_root, rank, replicated=True, iteration=3)
         assert sorted(os.listdir(os.path.join(k_root, str(rank)))) == [
-            "iter_0000003_0_local.pt", "iter_0000003_1_local.pt"], "K"
+            "iter_0000003_0_local.pt",
+            "iter_0000003_1_local.pt",
+        ], "K"
         sd, err, _ = _load_at(k_root, 3)
-        assert err is None and torch.equal(_values(sd)["layer.bias"], _tensors(rank)["layer.bias"]), f"K: {err}"
+        assert err is None and torch.equal(
+            _values(sd)["layer.bias"], _tensors(rank)["layer.bias"]
+        ), f"K: {err}"
 
         # M: --local-tier-run-id keeps the tier across a deliberate change of a run setting.
         m_root = os.path.join(root, "m")
@@ -270,7 +313,9 @@ def _scenarios(rank, world, root):
         sd, err, _ = _load(m_root, replicated=True)
         st.args.seed, st.args.local_tier_run_id = 1234, None
         lt.install(st.args)
-        assert err is None and torch.equal(_values(sd)["layer.bias"], _tensors(rank)["layer.bias"]), f"M: {err}"
+        assert err is None and torch.equal(
+            _values(sd)["layer.bias"], _tensors(rank)["layer.bias"]
+        ), f"M: {err}"
 
         # L: replication; a flipped byte in rank 0's own primary: repaired from rank 1's replica.
         l_root = os.path.join(root, "l")
@@ -287,19 +332,33 @@ def _scenarios(rank, world, root):
         g = os.path.join(root, "g")
         st.manager, st.local_load_iteration, st.marker_written = _manager(g, False), 10, False
 
-        def upstream(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                     forward_backward_func, iteration=None):
+        def upstream(
+            forward_step_func,
+            data_iterator,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            config,
+            forward_backward_func,
+            iteration=None,
+        ):
             loss = float("nan") if (model == "nan" and rank == 1) else 1.5
             return {"lm loss": torch.tensor(loss)}, 0, False, False, 0, 0.5, None, None
 
         step = lt._wrap_train_step(upstream)
         ok = step(None, None, "finite", None, None, None, None, iteration=10)
-        assert ok[3:5] == (False, 0) and not os.path.exists(os.path.join(g, str(rank), lt.MARKER_NAME)), "G"
+        assert ok[3:5] == (False, 0) and not os.path.exists(
+            os.path.join(g, str(rank), lt.MARKER_NAME)
+        ), "G"
         bad = step(None, None, "nan", None, None, None, None, iteration=11)
         assert bad[0] == {} and bad[2:5] == (False, True, lt.LOCAL_TIER_BAD_EXIT_CODE), f"G: {bad}"
         marker = lt.read_marker(os.path.join(g, str(rank)))
-        assert marker["iteration"] == 12 and marker["local_checkpoint_iteration"] == 10, f"G: {marker}"
-        assert marker["rank"] == rank and "rank 1" in marker["reason"] and "nan" in marker["reason"], marker
+        assert marker["iteration"] == 12 and marker["local_checkpoint_iteration"] == 10, (
+            f"G: {marker}"
+        )
+        assert (
+            marker["rank"] == rank and "rank 1" in marker["reason"] and "nan" in marker["reason"]
+        ), marker
         late = step(None, None, "nan", None, None, None, None, iteration=13)  # 10 + 3: outside
         assert late[4] == 0, "G: outside the window"
 
@@ -311,23 +370,43 @@ def _scenarios(rank, world, root):
         st.manager, st.local_load_iteration, st.marker_written = _manager(h, False), 10, False
         rsm = RerunStateMachine(mode=RerunMode.DISABLED)
 
-        def upstream_h(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                       forward_backward_func, iteration=None):
+        def upstream_h(
+            forward_step_func,
+            data_iterator,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            config,
+            forward_backward_func,
+            iteration=None,
+        ):
             value = torch.tensor(float("nan") if rank == 0 else 2.0)
-            rsm.validate_result(result=value, rejection_func=torch.isnan,
-                                message="found NaN in local forward loss calculation", fatal=True)
+            rsm.validate_result(
+                result=value,
+                rejection_func=torch.isnan,
+                message="found NaN in local forward loss calculation",
+                fatal=True,
+            )
             return {"lm loss": torch.tensor(2.0)}, 0, False, False, 0, 0.5, None, None
 
-        out = lt._wrap_train_step(upstream_h)(None, None, None, None, None, None, None, iteration=10)
+        out = lt._wrap_train_step(upstream_h)(
+            None, None, None, None, None, None, None, iteration=10
+        )
         assert out[4] == lt.LOCAL_TIER_BAD_EXIT_CODE, f"H: {out}"
         reason = lt.read_marker(os.path.join(h, str(rank)))["reason"]
-        assert "found NaN in local forward loss calculation" in reason and "rank 0" in reason, reason
+        assert "found NaN in local forward loss calculation" in reason and "rank 0" in reason, (
+            reason
+        )
         st.deferring = False
         # outside an iteration of the window upstream raises again (on CPU without the runtime
         # layer its message-building call to torch.cuda.current_device() is what raises)
         with pytest.raises(RuntimeError):
-            rsm.validate_result(result=torch.tensor(float("nan")), rejection_func=torch.isnan,
-                                message="found NaN", fatal=True)
+            rsm.validate_result(
+                result=torch.tensor(float("nan")),
+                rejection_func=torch.isnan,
+                message="found NaN",
+                fatal=True,
+            )
     finally:
         lt.uninstall()
         replication_fix.reset()
@@ -363,13 +442,18 @@ def test_flags_default_and_validation():
     with pytest.raises(SystemExit, match="must be >= 0"):
         validate_fork_args(_fork_parser().parse_args(["--local-tier-nan-window", "-1"]))
     with pytest.raises(SystemExit, match="needs local-tier validation"):
-        validate_fork_args(_fork_parser().parse_args(["--no-local-tier-validation",
-                                                      "--local-tier-nan-window", "5"]))
+        validate_fork_args(
+            _fork_parser().parse_args(
+                ["--no-local-tier-validation", "--local-tier-nan-window", "5"]
+            )
+        )
     run_id = _fork_parser().parse_args(["--local-tier-run-id", "exp-7"])
     validate_fork_args(run_id)
     assert run_id.local_tier_run_id == "exp-7" and args.local_tier_run_id is None
     with pytest.raises(SystemExit, match="needs a non-empty ID and local-tier validation"):
-        validate_fork_args(_fork_parser().parse_args(["--local-tier-run-id", "x", "--no-local-tier-validation"]))
+        validate_fork_args(
+            _fork_parser().parse_args(["--local-tier-run-id", "x", "--no-local-tier-validation"])
+        )
     with pytest.raises(SystemExit, match="must not be empty"):
         validate_fork_args(_fork_parser().parse_args(["--local-tier-run-id", " "]))
 
@@ -378,27 +462,47 @@ def test_install_is_a_no_op_without_local_checkpoints():
     from megatron.training_ext import local_tier
 
     local_tier.install(argparse.Namespace(non_persistent_ckpt_type=None))
-    local_tier.install(argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=False))
+    local_tier.install(
+        argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=False)
+    )
     assert not local_tier.installed()
 
 
 def test_exit_code_is_distinct_from_upstream_and_nvrx():
     from megatron.core import rerun_state_machine as rsm
-    from megatron.training_ext.local_tier import LOCAL_TIER_BAD_EXIT_CODE
     from nvidia_resiliency_ext.fault_tolerance.utils import DEFAULT_NO_RESTART_EXIT_CODE
 
-    used = {0, 1, rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE, rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-            DEFAULT_NO_RESTART_EXIT_CODE}
+    from megatron.training_ext.local_tier import LOCAL_TIER_BAD_EXIT_CODE
+
+    used = {
+        0,
+        1,
+        rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+        rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+        DEFAULT_NO_RESTART_EXIT_CODE,
+    }
     assert LOCAL_TIER_BAD_EXIT_CODE == 75 and LOCAL_TIER_BAD_EXIT_CODE not in used
     assert LOCAL_TIER_BAD_EXIT_CODE < 128  # not a "killed by signal" code
 
 
 def test_parse_fault_spec():
-    spec = fault_injection.parse_fault("rank=1,iteration=6,wipe_local=1,corrupt=/x/y.pt,once=/t/done")
-    assert spec == {"rank": 1, "iteration": 6, "wipe_local": True, "corrupt": "/x/y.pt", "once": "/t/done"}
+    spec = fault_injection.parse_fault(
+        "rank=1,iteration=6,wipe_local=1,corrupt=/x/y.pt,once=/t/done"
+    )
+    assert spec == {
+        "rank": 1,
+        "iteration": 6,
+        "wipe_local": True,
+        "corrupt": "/x/y.pt",
+        "once": "/t/done",
+    }
     assert fault_injection.parse_fault("rank=0,iteration=3")["wipe_local"] is False
-    for bad, why in (("rank=1", "required"), ("rank=1,iteration=x", "invalid literal"),
-                     ("rank=1,iteration=2,color=red", "unknown key"), ("rank", "key=value")):
+    for bad, why in (
+        ("rank=1", "required"),
+        ("rank=1,iteration=x", "invalid literal"),
+        ("rank=1,iteration=2,color=red", "unknown key"),
+        ("rank", "key=value"),
+    ):
         with pytest.raises(ValueError, match=why):
             fault_injection.parse_fault(bad)
 
@@ -428,8 +532,19 @@ def test_finite_flags_per_dtype():
     nan_c = torch.randn(10, dtype=torch.complex64)
     nan_c[2] = complex(float("nan"), 0.0)
     neg_pos_inf = torch.tensor([float("inf"), -float("inf")])
-    flags = _finite_flags([nan32, inf16, big16, nan_c, neg_pos_inf, torch.ones(3, dtype=torch.int64),
-                           torch.tensor(3.0), torch.empty(0), torch.randn(7, dtype=torch.bfloat16)])
+    flags = _finite_flags(
+        [
+            nan32,
+            inf16,
+            big16,
+            nan_c,
+            neg_pos_inf,
+            torch.ones(3, dtype=torch.int64),
+            torch.tensor(3.0),
+            torch.empty(0),
+            torch.randn(7, dtype=torch.bfloat16),
+        ]
+    )
     assert flags == [False, False, True, False, False, True, True, True, True]
 
 
@@ -439,10 +554,12 @@ def test_each_start_in_one_process_decides_the_local_tier_afresh():
     attempt's iterations), a rejection of the local tier, a marker written; the patches stay
     installed once."""
     import megatron.training.training as training
+
     from megatron.training_ext import local_tier
 
-    args = argparse.Namespace(non_persistent_ckpt_type="local", local_tier_validation=True,
-                              local_tier_nan_window=5)
+    args = argparse.Namespace(
+        non_persistent_ckpt_type="local", local_tier_validation=True, local_tier_nan_window=5
+    )
     try:
         local_tier.install(args)
         wrapped = training.train_step
@@ -455,8 +572,14 @@ def test_each_start_in_one_process_decides_the_local_tier_afresh():
         local_tier.install(argparse.Namespace(**{**vars(args), "local_tier_nan_window": 7}))
         fresh = local_tier._STATE
         assert local_tier.loaded_local_iteration() is None
-        assert (fresh.force_persistent, fresh.rejected_reason, fresh.manager, fresh.marker_written,
-                fresh.deferred, fresh.nan_window) == (False, None, None, False, [], 7)
+        assert (
+            fresh.force_persistent,
+            fresh.rejected_reason,
+            fresh.manager,
+            fresh.marker_written,
+            fresh.deferred,
+            fresh.nan_window,
+        ) == (False, None, None, False, [], 7)
         assert training.train_step is wrapped  # not wrapped a second time
     finally:
         local_tier.uninstall()

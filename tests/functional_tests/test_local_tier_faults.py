@@ -66,18 +66,39 @@ KILL_AT = 12  # a local save (every 2) with no persistent one (every 5)
 PREVIOUS_LOCAL = 8  # upstream skips the local save where it saves a persistent one (10)
 PERSISTENT = 10
 SCHEDULE = ["--train-iters", "16", "--exit-interval", str(ITERS)]  # conftest.SCHEDULE_16_EXIT_14
-TIERS = ["--save", "ckpt", "--load", "ckpt", "--save-interval", "5", "--ckpt-format", "torch_dist",
-         "--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "2",
-         "--non-persistent-local-ckpt-dir", "local",
-         "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+TIERS = [
+    "--save",
+    "ckpt",
+    "--load",
+    "ckpt",
+    "--save-interval",
+    "5",
+    "--ckpt-format",
+    "torch_dist",
+    "--non-persistent-ckpt-type",
+    "local",
+    "--non-persistent-save-interval",
+    "2",
+    "--non-persistent-local-ckpt-dir",
+    "local",
+    "--replication",
+    "--replication-jump",
+    "1",
+    "--replication-factor",
+    "2",
+]
 SEED = 20260611
 FT_LAUNCHER = Path(sys.executable).parent / "ft_launcher"
 
 
 def _cases() -> list[tuple[str, float | None]]:
     rng = random.Random(SEED)
-    return [("replicate", None), ("write", round(rng.uniform(0.05, 0.95), 4)), ("rename", None),
-            ("cleanup", None)]
+    return [
+        ("replicate", None),
+        ("write", round(rng.uniform(0.05, 0.95), 4)),
+        ("rename", None),
+        ("cleanup", None),
+    ]
 
 
 CASES = _cases()
@@ -89,7 +110,9 @@ def _name(iteration: int, rank: int, dirty: bool = False) -> str:
 
 def _complete(holders: dict[int, list[str]], iteration: int, world: int = 2) -> bool:
     """NVRx's ``find_latest`` rule: every rank's shard of ``iteration`` is a final file somewhere."""
-    return all(any(_name(iteration, r) in names for names in holders.values()) for r in range(world))
+    return all(
+        any(_name(iteration, r) in names for names in holders.values()) for r in range(world)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +124,30 @@ def straight(straight_16_exit_14):
 # (a) SIGKILL at a moment of a local save, restart
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("moment, fraction", CASES, ids=[c[0] for c in CASES])
 def test_restart_after_kill_in_local_save_is_bitwise(tmp_path, straight, moment, fraction):
     spec = f"rank=1,iteration={KILL_AT},moment={moment}"
-    spec += (f",fraction={fraction}" if fraction is not None else "") + f",once={tmp_path / 'kill.done'}"
+    spec += (
+        f",fraction={fraction}" if fraction is not None else ""
+    ) + f",once={tmp_path / 'kill.done'}"
     env = {ENV_KILL_LOCAL_SAVE: spec}
 
-    killed = run_pretrain_reaped(tmp_path, *SCHEDULE, *TIERS, env=env, check=False,
-                                 loss_file="killed.jsonl", entry=FAULTS_ENTRY)
+    killed = run_pretrain_reaped(
+        tmp_path,
+        *SCHEDULE,
+        *TIERS,
+        env=env,
+        check=False,
+        loss_file="killed.jsonl",
+        entry=FAULTS_ENTRY,
+    )
     out = killed.output
     assert killed.returncode != 0, out[-4000:]
-    assert (f"[fault-injection] rank 1: SIGKILL during its local save of iteration {KILL_AT} "
-            f"(moment {moment}") in out, out[-4000:]
+    assert (
+        f"[fault-injection] rank 1: SIGKILL during its local save of iteration {KILL_AT} "
+        f"(moment {moment}"
+    ) in out, out[-4000:]
     assert "exitcode  : -9" in out and "Signal 9 (SIGKILL) received by PID" in out, out[-4000:]
     assert sorted(killed.losses) == list(range(1, KILL_AT + 1))
     assert_bitwise_equal(straight, killed.losses, range(1, KILL_AT + 1))
@@ -123,7 +158,9 @@ def test_restart_after_kill_in_local_save_is_bitwise(tmp_path, straight, moment,
     mine = {n for n in holders[1] if n.startswith(f"iter_{KILL_AT:07d}_")}
     assert previous <= set(holders[1]), holders
     if moment == "replicate":
-        assert not any(n.startswith(f"iter_{KILL_AT:07d}_") for names in holders.values() for n in names), holders
+        assert not any(
+            n.startswith(f"iter_{KILL_AT:07d}_") for names in holders.values() for n in names
+        ), holders
     elif moment == "write":
         assert len(mine) == 1 and next(iter(mine)).endswith(".dirty.pt"), holders
         assert f"(fraction {fraction})" in out
@@ -147,9 +184,18 @@ def test_restart_after_kill_in_local_save_is_bitwise(tmp_path, straight, moment,
     if moment == "cleanup":
         assert resume_from == KILL_AT
 
-    restart = run_pretrain_reaped(tmp_path, *SCHEDULE, *TIERS, env=env, check=False,
-                                  loss_file="restart.jsonl", entry=FAULTS_ENTRY)
-    assert restart.returncode == 0, f"restart failed ({restart.returncode}):\n{restart.output[-8000:]}"
+    restart = run_pretrain_reaped(
+        tmp_path,
+        *SCHEDULE,
+        *TIERS,
+        env=env,
+        check=False,
+        loss_file="restart.jsonl",
+        entry=FAULTS_ENTRY,
+    )
+    assert restart.returncode == 0, (
+        f"restart failed ({restart.returncode}):\n{restart.output[-8000:]}"
+    )
     assert "[fault-injection]" not in restart.output
     assert restart.first_iteration() == resume_from + 1, (sorted(restart.losses), holders)
     assert max(restart.losses) == ITERS
@@ -163,8 +209,16 @@ def test_restart_after_kill_in_local_save_is_bitwise(tmp_path, straight, moment,
 FT_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "ft_launcher" / "ft_config.yaml"
 
 
-def _node(work: Path, node_rank: int, launcher: str, rdzv: tuple[int, str], tag: str, env: dict,
-          loss_file: str, max_restarts: int = 0):
+def _node(
+    work: Path,
+    node_rank: int,
+    launcher: str,
+    rdzv: tuple[int, str],
+    tag: str,
+    env: dict,
+    loss_file: str,
+    max_restarts: int = 0,
+):
     """Node A (``node_rank`` 0: global rank 0, ``nodeA/local``) or node B (1: rank 1,
     ``nodeB/local``) of the two-node job; both share ``ckpt``. ``ft_launcher`` runs as
     ``examples/ft_launcher/pretrain_gpt_ft.sh`` runs it (``ft_config.yaml``, progress file,
@@ -173,15 +227,34 @@ def _node(work: Path, node_rank: int, launcher: str, rdzv: tuple[int, str], tag:
     args = [*SCHEDULE, *TIERS]
     args[args.index("--non-persistent-local-ckpt-dir") + 1] = f"{node}/local"
     if launcher == "ft_launcher":
-        launch = dict(launcher=[str(FT_LAUNCHER)], script_args=["--enable-ft-package"], launcher_args=[
-            "--max-restarts", str(max_restarts), "--ft-cfg-path", str(FT_CONFIG),
-            "--ft-checkpoint-iteration-file", str(work / "ckpt" / "latest_checkpointed_iteration.txt")])
+        launch = dict(
+            launcher=[str(FT_LAUNCHER)],
+            script_args=["--enable-ft-package"],
+            launcher_args=[
+                "--max-restarts",
+                str(max_restarts),
+                "--ft-cfg-path",
+                str(FT_CONFIG),
+                "--ft-checkpoint-iteration-file",
+                str(work / "ckpt" / "latest_checkpointed_iteration.txt"),
+            ],
+        )
     else:
         launch = dict(launcher_args=["--max-restarts", str(max_restarts)])
     port, rdzv_id = rdzv
-    return start_node(work, node_rank, 2, f"127.0.0.1:{port}", rdzv_id, args, env=env,
-                      output=work / f"{tag}_{node}.log", loss_file=work / loss_file,
-                      entry=FAULTS_ENTRY, **launch)
+    return start_node(
+        work,
+        node_rank,
+        2,
+        f"127.0.0.1:{port}",
+        rdzv_id,
+        args,
+        env=env,
+        output=work / f"{tag}_{node}.log",
+        loss_file=work / loss_file,
+        entry=FAULTS_ENTRY,
+        **launch,
+    )
 
 
 def _rdzv(tag: str) -> tuple[int, str]:
@@ -208,21 +281,35 @@ def test_two_nodes_lost_node_recovers_from_replica_bitwise(tmp_path, straight, l
     b = _node(work, 1, launcher, rdzv, "first", crash, first_log)
     try:
         # rank 1 (node B) crashes before iteration 13, after the local save of 12
-        wait_until(lambda: "[fault-injection] rank 1: crashing" in b.output() or a.poll() is not None
-                   or b.poll() is not None, timeout=900, what="rank 1's injected crash")
-        assert f"[fault-injection] rank 1: crashing (os._exit(1)) before iteration {KILL_AT + 1}" in b.output(), \
-            f"node A:\n{a.output()[-4000:]}\nnode B:\n{b.output()[-4000:]}"
+        wait_until(
+            lambda: "[fault-injection] rank 1: crashing" in b.output()
+            or a.poll() is not None
+            or b.poll() is not None,
+            timeout=900,
+            what="rank 1's injected crash",
+        )
+        assert (
+            f"[fault-injection] rank 1: crashing (os._exit(1)) before iteration {KILL_AT + 1}"
+            in b.output()
+        ), f"node A:\n{a.output()[-4000:]}\nnode B:\n{b.output()[-4000:]}"
         b.kill_tree()  # node B is lost: its agent and every process of it, SIGKILL
         b_local = local_files(work / "nodeB" / "local")
         assert list(b_local) == [1], f"node B must hold global rank 1 only: {b_local}"
         shutil.rmtree(work / "nodeB" / "local")
         # node A holds its primary of 12 and node B's replica; persistent is at 10
         a_local = local_files(work / "nodeA" / "local")
-        assert list(a_local) == [0] and {_name(KILL_AT, 0), _name(KILL_AT, 1)} <= set(a_local[0]), a_local
-        assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(PERSISTENT)
+        assert list(a_local) == [0] and {_name(KILL_AT, 0), _name(KILL_AT, 1)} <= set(a_local[0]), (
+            a_local
+        )
+        assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
+            PERSISTENT
+        )
         if in_job:
-            wait_until(lambda: "will restart worker group" in a.output() or a.poll() is not None,
-                       timeout=600, what="node A's in-job restart")
+            wait_until(
+                lambda: "will restart worker group" in a.output() or a.poll() is not None,
+                timeout=600,
+                what="node A's in-job restart",
+            )
             assert a.poll() is None, f"node A's ft_launcher gave up:\n{a.output()[-6000:]}"
             b = _node(work, 1, launcher, rdzv, "replacement", crash, first_log)
             restart_log = first_log
@@ -254,7 +341,12 @@ def test_two_nodes_lost_node_recovers_from_replica_bitwise(tmp_path, straight, l
     assert local_files(work / "nodeB" / "local") == {1: [_name(ITERS, 0), _name(ITERS, 1)]}
     # the restarted start of each rank says once what it used (the lost rank: where its shard came
     # from); under ft_launcher node A's output also holds its first start ("no local checkpoint")
-    lines = {r: [ln for ln in v if f"iteration {KILL_AT}" in ln] for r, v in start_lines(out).items()}
+    lines = {
+        r: [ln for ln in v if f"iteration {KILL_AT}" in ln] for r, v in start_lines(out).items()
+    }
     assert all(len(lines.get(r, [])) == 1 for r in (0, 1)), lines
-    assert f"[local-tier] rank 1: local checkpoint at iteration {KILL_AT}: repaired from rank 0's replica on host" \
-        in lines[1][0] and "own primary: missing" in lines[1][0], lines
+    assert (
+        f"[local-tier] rank 1: local checkpoint at iteration {KILL_AT}: repaired from rank 0's replica on host"
+        in lines[1][0]
+        and "own primary: missing" in lines[1][0]
+    ), lines

@@ -25,10 +25,27 @@ SCHEDULE = ["--train-iters", "16"]
 
 
 def tiers(work: Path) -> list[str]:
-    return ["--save", str(work / "ckpt"), "--load", str(work / "ckpt"), "--save-interval", "5",
-            "--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "local",
-            "--non-persistent-save-interval", "2", "--non-persistent-local-ckpt-dir", str(work / "local"),
-            "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+    return [
+        "--save",
+        str(work / "ckpt"),
+        "--load",
+        str(work / "ckpt"),
+        "--save-interval",
+        "5",
+        "--ckpt-format",
+        "torch_dist",
+        "--non-persistent-ckpt-type",
+        "local",
+        "--non-persistent-save-interval",
+        "2",
+        "--non-persistent-local-ckpt-dir",
+        str(work / "local"),
+        "--replication",
+        "--replication-jump",
+        "1",
+        "--replication-factor",
+        "2",
+    ]
 
 
 def primary(work: Path, rank: int, iteration: int = 12) -> Path:
@@ -47,7 +64,9 @@ def base(tmp_path_factory):
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     for rank in (0, 1):
         assert sorted(p.name for p in (work / "local" / str(rank)).iterdir()) == [
-            "iter_0000012_0_local.pt", "iter_0000012_1_local.pt"]
+            "iter_0000012_0_local.pt",
+            "iter_0000012_1_local.pt",
+        ]
     return work
 
 
@@ -82,18 +101,30 @@ def test_new_experiment_never_loads_another_runs_local_checkpoint(new_experiment
     # its own local checkpoint of 12 replaced the old run's; the rejected ones were removed then
     for rank in (0, 1):
         assert sorted(p.name for p in (work / "local" / str(rank)).iterdir()) == [
-            "iter_0000012_0_local.pt", "iter_0000012_1_local.pt"]
+            "iter_0000012_0_local.pt",
+            "iter_0000012_1_local.pt",
+        ]
 
 
 def test_guard_upstream_resumes_another_runs_local_checkpoint(base, tmp_path):
     """Upstream (--no-local-tier-validation) silently resumes the old run at 13."""
     shutil.copytree(base / "local", tmp_path / "local")
-    run = run_pretrain(tmp_path, *SCHEDULE, *tiers(tmp_path), "--seed", "999", "--exit-interval", "14",
-                       "--no-local-tier-validation")
+    run = run_pretrain(
+        tmp_path,
+        *SCHEDULE,
+        *tiers(tmp_path),
+        "--seed",
+        "999",
+        "--exit-interval",
+        "14",
+        "--no-local-tier-validation",
+    )
     assert run.first_iteration() == 13
 
 
-def test_foreign_and_corrupt_primaries_are_repaired_from_replicas(base, new_experiment, straight, tmp_path):
+def test_foreign_and_corrupt_primaries_are_repaired_from_replicas(
+    base, new_experiment, straight, tmp_path
+):
     """Rank 1's own primary replaced by the other run's file of the same iteration (same config,
     other seed) and one byte flipped in rank 0's own primary: each rank gets its shard from the
     replica the other holds, and training resumes at 13, bitwise."""
@@ -105,7 +136,9 @@ def test_foreign_and_corrupt_primaries_are_repaired_from_replicas(base, new_expe
     lines = start_lines(run.output)
     assert sorted(lines) == [0, 1] and all(len(v) == 1 for v in lines.values()), lines
     (l0,), (l1,) = lines[0], lines[1]
-    assert "iteration 12: repaired from rank 1's replica on host" in l0 and "checksum mismatch" in l0, l0
+    assert (
+        "iteration 12: repaired from rank 1's replica on host" in l0 and "checksum mismatch" in l0
+    ), l0
     assert "iteration 12: repaired from rank 0's replica on host" in l1, l1
     assert "written by another run" in l1 and "seed 999 (checkpoint) vs 1234 (this run)" in l1, l1
     assert run.first_iteration() == 13
@@ -114,7 +147,9 @@ def test_foreign_and_corrupt_primaries_are_repaired_from_replicas(base, new_expe
     for rank in (0, 1):
         d = work / "local" / str(rank)
         assert sorted(p.name for p in d.iterdir() if p.is_file()) == [
-            "iter_0000014_0_local.pt", "iter_0000014_1_local.pt"], rank
+            "iter_0000014_0_local.pt",
+            "iter_0000014_1_local.pt",
+        ], rank
 
 
 def test_truncated_and_empty_primaries_are_repaired_from_replicas(base, straight, tmp_path):
@@ -147,6 +182,8 @@ def test_topology_change_falls_back_to_persistent_before_any_collective(base, tm
 
 def test_guard_upstream_fails_on_a_topology_change(base, tmp_path):
     work = copy_of(base, tmp_path / "work")
-    run = resume(work, "--tensor-model-parallel-size", "2", "--no-local-tier-validation", check=False)
+    run = resume(
+        work, "--tensor-model-parallel-size", "2", "--no-local-tier-validation", check=False
+    )
     assert run.returncode != 0 and not run.losses, run.output[-3000:]
     assert "AssertionError" in run.output or "Error" in run.output

@@ -29,8 +29,18 @@ SAVE_EVERY_5 = ["--ckpt-format", "torch_dist", "--save-interval", "5"]
 def saved(tmp_path_factory) -> Path:
     """--save of a run of the 16-iteration schedule stopped at 10: checkpoints 5 and 10."""
     work = tmp_path_factory.mktemp("persistent_saved")
-    run = run_pretrain(work, "--train-iters", "16", "--exit-interval", "10", *SAVE_EVERY_5,
-                       "--save", str(work / "ckpt"), "--load", str(work / "ckpt"))
+    run = run_pretrain(
+        work,
+        "--train-iters",
+        "16",
+        "--exit-interval",
+        "10",
+        *SAVE_EVERY_5,
+        "--save",
+        str(work / "ckpt"),
+        "--load",
+        str(work / "ckpt"),
+    )
     assert sorted(run.losses) == list(range(1, 11))
     for it in (5, 10):
         d = work / "ckpt" / f"iter_{it:07d}"
@@ -40,25 +50,40 @@ def saved(tmp_path_factory) -> Path:
 
 
 def _digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _error_ranks(output: str, text: str) -> set[int]:
     """Ranks whose traceback ends in ``text`` (torch prefixes each stderr line with [rankN]:)."""
-    return {int(m.group(1)) for m in re.finditer(r"^\[rank(\d)\]: (?:\[rank\d\]: )?" + re.escape(text),
-                                                 output, re.M)}
+    return {
+        int(m.group(1))
+        for m in re.finditer(r"^\[rank(\d)\]: (?:\[rank\d\]: )?" + re.escape(text), output, re.M)
+    }
 
 
 def test_typo_in_load_stops_before_save_is_touched(saved, tmp_path):
     ckpt = shutil.copytree(saved, tmp_path / "ckpt")
     before = _digests(ckpt)
     typo = tmp_path / "ckpy"
-    run = run_pretrain(tmp_path, *SCHEDULE_16_EXIT_14, *SAVE_EVERY_5, "--save", str(ckpt), "--load", str(typo),
-                       check=False)
+    run = run_pretrain(
+        tmp_path,
+        *SCHEDULE_16_EXIT_14,
+        *SAVE_EVERY_5,
+        "--save",
+        str(ckpt),
+        "--load",
+        str(typo),
+        check=False,
+    )
     assert run.returncode != 0 and run.losses == {}
-    want = (f"pretrain_gpt.py: --save {ckpt} already holds checkpoints (iter_0000005, iter_0000010, "
-            f"latest_checkpointed_iteration.txt), but --load {typo} does not exist (a typo?)")
+    want = (
+        f"pretrain_gpt.py: --save {ckpt} already holds checkpoints (iter_0000005, iter_0000010, "
+        f"latest_checkpointed_iteration.txt), but --load {typo} does not exist (a typo?)"
+    )
     assert want in run.output, run.output[-3000:]
     assert f"pass --load {ckpt}" in run.output and "add --overwrite-save" in run.output
     assert "building GPT model" not in run.output  # refused before any model is built
@@ -72,22 +97,38 @@ def test_upstream_starts_from_scratch_on_a_typo(tmp_path):
 
     from megatron.training import checkpointing
 
-    args = SimpleNamespace(non_persistent_global_ckpt_dir=None, non_persistent_ckpt_type=None,
-                           ckpt_step=None, exit_on_missing_checkpoint=False)
+    args = SimpleNamespace(
+        non_persistent_global_ckpt_dir=None,
+        non_persistent_ckpt_type=None,
+        ckpt_step=None,
+        exit_on_missing_checkpoint=False,
+    )
     assert not checkpointing.checkpoint_exists(str(tmp_path / "typo"))
-    assert checkpointing._load_base_checkpoint(str(tmp_path / "typo"), args, rank0=True) == (None, "", False, None)
+    assert checkpointing._load_base_checkpoint(str(tmp_path / "typo"), args, rank0=True) == (
+        None,
+        "",
+        False,
+        None,
+    )
 
 
-def test_flipped_byte_falls_back_to_previous_checkpoint_bitwise(saved, straight_16_exit_14, tmp_path):
+def test_flipped_byte_falls_back_to_previous_checkpoint_bitwise(
+    saved, straight_16_exit_14, tmp_path
+):
     ckpt = shutil.copytree(saved, tmp_path / "ckpt")
     bad = ckpt / "iter_0000010" / "__1_0.distcp"
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0x10  # one bit, inside some tensor's bytes
     bad.write_bytes(bytes(data))
-    run = run_pretrain(tmp_path, *SCHEDULE_16_EXIT_14, *SAVE_EVERY_5, "--save", str(ckpt), "--load", str(ckpt))
+    run = run_pretrain(
+        tmp_path, *SCHEDULE_16_EXIT_14, *SAVE_EVERY_5, "--save", str(ckpt), "--load", str(ckpt)
+    )
     assert "[persistent-tier] iter_0000010 failed verification:" in run.output
-    assert re.search(r"__1_0\.distcp: bytes differ from what was saved \(xxh3-64 block digest\) "
-                     r"\(bytes 0-\d+\); holds ", run.output), run.output[-3000:]
+    assert re.search(
+        r"__1_0\.distcp: bytes differ from what was saved \(xxh3-64 block digest\) "
+        r"\(bytes 0-\d+\); holds ",
+        run.output,
+    ), run.output[-3000:]
     assert "falling back to the previous complete checkpoint, iter_0000005" in run.output
     assert "[persistent-tier] iter_0000005: verified 4 files" in run.output
     assert run.first_iteration() == 6
@@ -99,18 +140,31 @@ def test_flipped_byte_falls_back_to_previous_checkpoint_bitwise(saved, straight_
 def test_truncated_file_stops_every_rank_before_training(saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    shutil.copytree(saved / "iter_0000010", ckpt / "iter_0000010")  # nothing earlier to fall back to
+    shutil.copytree(
+        saved / "iter_0000010", ckpt / "iter_0000010"
+    )  # nothing earlier to fall back to
     shutil.copy(saved / "latest_checkpointed_iteration.txt", ckpt)
     cut = ckpt / "iter_0000010" / "__0_0.distcp"
     size = cut.stat().st_size
     with open(cut, "r+b") as f:
         f.truncate(size // 2)
-    run = run_pretrain(tmp_path, *SCHEDULE_16_EXIT_14, *SAVE_EVERY_5, "--save", str(ckpt), "--load", str(ckpt),
-                       check=False)
+    run = run_pretrain(
+        tmp_path,
+        *SCHEDULE_16_EXIT_14,
+        *SAVE_EVERY_5,
+        "--save",
+        str(ckpt),
+        "--load",
+        str(ckpt),
+        check=False,
+    )
     assert run.returncode != 0 and run.losses == {}
     head = f"megatron.integrity.manifest.CheckpointIntegrityError: checkpoint {ckpt / 'iter_0000010'} failed verification"
     assert _error_ranks(run.output, head) == {0, 1}, run.output[-4000:]
-    assert _error_ranks(run.output, f"  __0_0.distcp: truncated: {size // 2} of {size} bytes "
-                                    f"(bytes {size // 2}-{size - 1}); holds ") == {0, 1}
+    assert _error_ranks(
+        run.output,
+        f"  __0_0.distcp: truncated: {size // 2} of {size} bytes "
+        f"(bytes {size // 2}-{size - 1}); holds ",
+    ) == {0, 1}
     assert f"no earlier complete checkpoint in {ckpt} to fall back to" in run.output
     assert "EOFError" not in run.output

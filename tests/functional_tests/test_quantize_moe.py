@@ -32,18 +32,43 @@ import pytest
 import torch
 
 from megatron.integrity.local_identity import RUN_TOKEN_FILE
-from tests.functional_tests.launch import REPO, TINY_GPT, Run, assert_bitwise_equal, device, run_pretrain
+from tests.functional_tests.launch import (
+    REPO,
+    TINY_GPT,
+    Run,
+    assert_bitwise_equal,
+    device,
+    run_pretrain,
+)
 from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
 
 QUANTIZE = REPO / "tools" / "quantize.py"
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
-       "--hidden-dropout", "0", "--attention-dropout", "0"]
+MOE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--disable-bias-linear",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 SAVED_AT = ["--expert-model-parallel-size", "2"]  # TP1 ETP1 EP2 (dense DP2, expert DP1)
 MOVED_TO = ["--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "2"]  # EDP1
-LOCAL = ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "4",
-         "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+LOCAL = [
+    "--non-persistent-ckpt-type",
+    "local",
+    "--non-persistent-save-interval",
+    "4",
+    "--replication",
+    "--replication-jump",
+    "1",
+    "--replication-factor",
+    "2",
+]
 #: Relative tolerance on the per-iteration loss between topologies. Both runs do the same fp32
 #: arithmetic on differently partitioned experts; only the order of sums differs (the ETP
 #: all-reduce of linear_fc2 partial outputs, the expert-gradient reduction over EDP, the token
@@ -61,23 +86,49 @@ QUANTIZERS_RANK0 = {2: 8 + 2 * 8 + 5, 1: 8 + 4 * 8 + 5}  # by EP size
 AMAX_KEYS = 2 * 2 * 2 + 2 * 4 * 2 * 2 + 5  # global: every expert once
 
 
-def run_quantize(workdir: Path, *args: str, nproc: int = 2, check: bool = True,
-                 timeout: float = 600, env: dict | None = None) -> Run:
+def run_quantize(
+    workdir: Path,
+    *args: str,
+    nproc: int = 2,
+    check: bool = True,
+    timeout: float = 600,
+    env: dict | None = None,
+) -> Run:
     """``torchrun --nproc-per-node N tools/quantize.py [--cpu] TINY_GPT ARGS`` in ``workdir``
     (``--cpu`` unless ``env`` asks for ``MEGATRON_TEST_DEVICE=cuda`` and CUDA is present, as
     ``launch.run_pretrain``)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-                "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(QUANTIZE)]
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(QUANTIZE),
+    ]
     if not (full_env.get("MEGATRON_TEST_DEVICE") == "cuda" and torch.cuda.is_available()):
         cmd.append("--cpu")
     cmd += TINY_GPT + list(args)
-    proc = subprocess.run(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd,
+        cwd=workdir,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     if check:
-        assert proc.returncode == 0, f"quantize.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+        assert proc.returncode == 0, (
+            f"quantize.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+        )
     return Run(proc.returncode, proc.stdout, {})
 
 
@@ -87,9 +138,11 @@ def read_amax(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = FileSystemReader(str(ckpt_dir)).read_metadata()
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in md.state_dict_metadata.items()
-          if isinstance(v, TensorStorageMetadata) and k.endswith("quantizer._amax")}
+    sd = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and k.endswith("quantizer._amax")
+    }
     load(sd, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
     return sd
 
@@ -109,25 +162,73 @@ def flow(tmp_path_factory):
     from tools.preprocess_data import preprocess
 
     root = tmp_path_factory.mktemp("quantize_moe")
-    preprocess(["--input", sysconfig.get_paths()["stdlib"] + "/json", "--pattern", "*.py",
-                "--output-prefix", str(root / "data" / "corpus"), "--tokenizer-type",
-                "ByteLevelTokenizer", "--append-eod", "--no-progress"])
+    preprocess(
+        [
+            "--input",
+            sysconfig.get_paths()["stdlib"] + "/json",
+            "--pattern",
+            "*.py",
+            "--output-prefix",
+            str(root / "data" / "corpus"),
+            "--tokenizer-type",
+            "ByteLevelTokenizer",
+            "--append-eod",
+            "--no-progress",
+        ]
+    )
     data = root / "data" / "corpus_text_document"
 
-    base = run_pretrain(root / "base", *MOE, *SAVED_AT, "--train-iters", "6",
-                        "--save", str(root / "ckpt"), "--save-interval", "5")
+    base = run_pretrain(
+        root / "base",
+        *MOE,
+        *SAVED_AT,
+        "--train-iters",
+        "6",
+        "--save",
+        str(root / "ckpt"),
+        "--save-interval",
+        "5",
+    )
     assert sorted(base.losses) == [1, 2, 3, 4, 5, 6]
     # quantize checkpoint 5 (6 exists too: its iteration-6 loss is the unquantized reference)
     (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5")
 
-    quant = run_quantize(root / "q_run", *MOE, *SAVED_AT, "--load", str(root / "ckpt"),
-                         "--save", str(root / "q"), "--recipe", "fp8", "--data-path", str(data),
-                         "--split", "98,1,1", "--calib-batches", "2")
+    quant = run_quantize(
+        root / "q_run",
+        *MOE,
+        *SAVED_AT,
+        "--load",
+        str(root / "ckpt"),
+        "--save",
+        str(root / "q"),
+        "--recipe",
+        "fp8",
+        "--data-path",
+        str(data),
+        "--split",
+        "98,1,1",
+        "--calib-batches",
+        "2",
+    )
 
-    ref = run_pretrain(root / "ref", *MOE, *SAVED_AT, "--train-iters", "10",
-                       "--load", str(root / "q"), "--restore-modelopt-state", "--no-load-optim",
-                       "--save", str(root / "ref" / "ckpt"), "--save-interval", "1000",
-                       "--non-persistent-local-ckpt-dir", str(root / "ref" / "local"), *LOCAL)
+    ref = run_pretrain(
+        root / "ref",
+        *MOE,
+        *SAVED_AT,
+        "--train-iters",
+        "10",
+        "--load",
+        str(root / "q"),
+        "--restore-modelopt-state",
+        "--no-load-optim",
+        "--save",
+        str(root / "ref" / "ckpt"),
+        "--save-interval",
+        "1000",
+        "--non-persistent-local-ckpt-dir",
+        str(root / "ref" / "local"),
+        *LOCAL,
+    )
     return {"root": root, "base": base, "quant": quant, "ref": ref, "q": root / "q"}
 
 
@@ -142,12 +243,14 @@ def test_quantized_checkpoint_holds_modelopt_state_and_calibrated_amax(flow):
     amax = read_amax(ckpt)
     assert len(amax) == AMAX_KEYS, sorted(amax)
     assert not [k for k in amax if "output_layer" in k or "router" in k or "embedding" in k]
-    experts = {int(m.group(1)) for k in amax
-               for m in [re.search(r"experts\.experts\.(\d+)\.", k)] if m}
+    experts = {
+        int(m.group(1)) for k in amax for m in [re.search(r"experts\.experts\.(\d+)\.", k)] if m
+    }
     assert experts == {0, 1, 2, 3}  # global expert ids, both EP ranks' experts
     assert all(torch.isfinite(v).all() and (v > 0).all() for v in amax.values()), amax
-    counts = re.search(r"quantize\.py: saved quantized checkpoint .* \(rank 0: (\{.*\})\)",
-                       flow["quant"].output)
+    counts = re.search(
+        r"quantize\.py: saved quantized checkpoint .* \(rank 0: (\{.*\})\)", flow["quant"].output
+    )
     assert counts, flow["quant"].output[-3000:]
     counts = ast.literal_eval(counts.group(1))
     assert counts["enabled"] == counts["static"] == counts["calibrated"] == QUANTIZERS_RANK0[2]
@@ -168,15 +271,27 @@ def test_training_from_quantized_checkpoint_is_quantized(flow):
 
 
 def test_quantized_checkpoint_trains_under_another_topology(flow, tmp_path):
-    moved = run_pretrain(tmp_path, *MOE, *MOVED_TO, "--train-iters", "10",
-                         "--load", str(flow["q"]), "--restore-modelopt-state", "--no-load-optim")
+    moved = run_pretrain(
+        tmp_path,
+        *MOE,
+        *MOVED_TO,
+        "--train-iters",
+        "10",
+        "--load",
+        str(flow["q"]),
+        "--restore-modelopt-state",
+        "--no-load-optim",
+    )
     assert sorted(moved.losses) == [6, 7, 8, 9, 10]
     after = quant_summaries(moved.output, "After loading checkpoint")
     assert after and after[-1]["calibrated"] == after[-1]["static"] == QUANTIZERS_RANK0[1], after
     ref, got = losses(flow["ref"], range(6, 11)), losses(moved, range(6, 11))
-    bad = {i: (ref[i], got[i]) for i in ref
-           if not math.isfinite(got[i])
-           or abs(got[i] - ref[i]) > (FORWARD_RTOL if i == 6 else RTOL) * abs(ref[i])}
+    bad = {
+        i: (ref[i], got[i])
+        for i in ref
+        if not math.isfinite(got[i])
+        or abs(got[i] - ref[i]) > (FORWARD_RTOL if i == 6 else RTOL) * abs(ref[i])
+    }
     assert not bad, f"EP1/ETP2 vs EP2/ETP1 beyond rtol {FORWARD_RTOL} (6) / {RTOL}: {bad}"
 
 
@@ -184,18 +299,33 @@ def test_local_checkpoint_recovery_resumes_quantized(flow, tmp_path):
     work = tmp_path / "ref"
     shutil.copytree(flow["root"] / "ref", work)
     local = work / "local"
-    assert sorted(p.name for p in (local / "1").iterdir()) == ["iter_0000008_0_local.pt",
-                                                                "iter_0000008_1_local.pt"]
+    assert sorted(p.name for p in (local / "1").iterdir()) == [
+        "iter_0000008_0_local.pt",
+        "iter_0000008_1_local.pt",
+    ]
     # the job died after the local save at 8: no persistent checkpoint yet (--save holds only the
     # run token written at the first start, which makes this the same run: docs/local-tier.md)
     for p in (work / "ckpt").iterdir():
         if p.name != RUN_TOKEN_FILE:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     shutil.rmtree(local / "1")  # ... and rank 1 lost its local directory: recover from replica
-    resumed = run_pretrain(work, *MOE, *SAVED_AT, "--train-iters", "10",
-                           "--load", str(work / "ckpt"), "--save", str(work / "ckpt"),
-                           "--save-interval", "10", "--non-persistent-local-ckpt-dir", str(local),
-                           *LOCAL, loss_file="resumed.jsonl")
+    resumed = run_pretrain(
+        work,
+        *MOE,
+        *SAVED_AT,
+        "--train-iters",
+        "10",
+        "--load",
+        str(work / "ckpt"),
+        "--save",
+        str(work / "ckpt"),
+        "--save-interval",
+        "10",
+        "--non-persistent-local-ckpt-dir",
+        str(local),
+        *LOCAL,
+        loss_file="resumed.jsonl",
+    )
     assert resumed.first_iteration() == 9, "did not resume from the local checkpoint"
     assert "restored ModelOpt state of local checkpoint" in resumed.output
     after = quant_summaries(resumed.output, "After loading checkpoint")
@@ -211,9 +341,17 @@ def test_local_checkpoint_recovery_resumes_quantized(flow, tmp_path):
 
 
 def _namespace(tmp_path: Path, **over) -> argparse.Namespace:
-    ns = dict(recipe="fp8", cpu=True, calib_batches=2, ckpt_format="torch_dist",
-              virtual_pipeline_model_parallel_size=None, load=str(tmp_path / "ckpt"),
-              save=str(tmp_path / "out"), mock_data=False, data_path=["data/corpus"])
+    ns = dict(
+        recipe="fp8",
+        cpu=True,
+        calib_batches=2,
+        ckpt_format="torch_dist",
+        virtual_pipeline_model_parallel_size=None,
+        load=str(tmp_path / "ckpt"),
+        save=str(tmp_path / "out"),
+        mock_data=False,
+        data_path=["data/corpus"],
+    )
     ns.update(over)
     return argparse.Namespace(**ns)
 
@@ -247,8 +385,18 @@ def test_quantize_validates_input_before_any_collective(tmp_path):
         validate_quantize_args(_namespace(tmp_path))
     # On the real launcher: every rank exits with the reason (no rank waits in a collective).
     if device() == "cpu":
-        bad = run_quantize(tmp_path / "bad", "--mock-data", "--load", str(ckpt), "--save",
-                           str(tmp_path / "out"), "--recipe", "nvfp4", check=False, timeout=300)
+        bad = run_quantize(
+            tmp_path / "bad",
+            "--mock-data",
+            "--load",
+            str(ckpt),
+            "--save",
+            str(tmp_path / "out"),
+            "--recipe",
+            "nvfp4",
+            check=False,
+            timeout=300,
+        )
         assert bad.returncode != 0
         # (torchrun may stop the other rank before it prints; none may hang)
         assert "--recipe nvfp4 needs CUDA" in bad.output, bad.output[-3000:]
@@ -258,13 +406,45 @@ def test_quantize_validates_input_before_any_collective(tmp_path):
 def test_quantize_nvfp4_and_train_on_gpu(tmp_path):
     """One GPU (EP=1): NVFP4 (CUDA-only fake quantization) round trip through the same flow."""
     env = {"MEGATRON_TEST_DEVICE": "cuda"}
-    run_pretrain(tmp_path / "base", *MOE, "--train-iters", "3", "--save", str(tmp_path / "ckpt"),
-                 "--save-interval", "3", nproc=1, env=env)
-    run_quantize(tmp_path / "q_run", *MOE, "--mock-data", "--load", str(tmp_path / "ckpt"),
-                 "--save", str(tmp_path / "q"), "--recipe", "nvfp4", "--calib-batches", "1",
-                 nproc=1, env=env)
-    run = run_pretrain(tmp_path / "train", *MOE, "--train-iters", "5", "--load", str(tmp_path / "q"),
-                       "--restore-modelopt-state", "--no-load-optim", nproc=1, env=env)
+    run_pretrain(
+        tmp_path / "base",
+        *MOE,
+        "--train-iters",
+        "3",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "3",
+        nproc=1,
+        env=env,
+    )
+    run_quantize(
+        tmp_path / "q_run",
+        *MOE,
+        "--mock-data",
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--save",
+        str(tmp_path / "q"),
+        "--recipe",
+        "nvfp4",
+        "--calib-batches",
+        "1",
+        nproc=1,
+        env=env,
+    )
+    run = run_pretrain(
+        tmp_path / "train",
+        *MOE,
+        "--train-iters",
+        "5",
+        "--load",
+        str(tmp_path / "q"),
+        "--restore-modelopt-state",
+        "--no-load-optim",
+        nproc=1,
+        env=env,
+    )
     assert sorted(run.losses) == [4, 5]
     assert all(math.isfinite(v) for v in losses(run, [4, 5]).values())
     after = quant_summaries(run.output, "After loading checkpoint")

@@ -38,15 +38,19 @@ def runnable_blocks(path: Path) -> list[tuple[str, str]]:
         m = MARKER.match(line.strip())
         if not m:
             continue
-        assert i + 1 < len(lines) and lines[i + 1].strip() in ("```bash", "```sh"), \
+        assert i + 1 < len(lines) and lines[i + 1].strip() in ("```bash", "```sh"), (
             f"{path.name}:{i + 1}: a runnable marker must be followed by a ```bash fence"
+        )
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
-        out.append((m.group(1), "\n".join(lines[i + 2:end])))
+        out.append((m.group(1), "\n".join(lines[i + 2 : end])))
     return out
 
 
-BLOCKS = [(f"{p.relative_to(REPO)}:{name}", text)
-          for p in (REPO / "README.md", REPO / "examples" / "README.md") for name, text in runnable_blocks(p)]
+BLOCKS = [
+    (f"{p.relative_to(REPO)}:{name}", text)
+    for p in (REPO / "README.md", REPO / "examples" / "README.md")
+    for name, text in runnable_blocks(p)
+]
 
 
 def test_the_readme_has_runnable_blocks():
@@ -57,7 +61,9 @@ def test_the_readme_has_runnable_blocks():
 def _clone(tmp_path: Path) -> Path:
     """A directory that behaves like a clone with its environment set up: symlinks to this
     checkout's tracked top-level entries and to ``.venv``."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     top = {Path(p).parts[0] for p in tracked.stdout.split()} | {".venv", ".gitignore"}
     clone = tmp_path / "clone"
     clone.mkdir()
@@ -72,15 +78,21 @@ def _ignored(clone: Path, names: list[str]) -> list[str]:
     if not names:
         return []
     asked = {n + ("/" if (clone / n).is_dir() else ""): n for n in names}  # `/runs/` matches dirs
-    proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", "--stdin"],
-                          input="\n".join(asked), capture_output=True, text=True)
+    proc = subprocess.run(
+        ["git", "-C", str(REPO), "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(asked),
+        capture_output=True,
+        text=True,
+    )
     return sorted(asked[p] for p in proc.stdout.split())
 
 
 def _check_cpu_train(clone: Path, out: str) -> None:
     assert (clone / "runs" / "cpu-demo" / "ckpt" / "iter_0000020").is_dir(), out[-3000:]
     printed = printed_losses(out)
-    assert sorted(printed) == [1, 5, 10, 15, 20], sorted(printed)  # --log-interval 5 (and the first)
+    assert sorted(printed) == [1, 5, 10, 15, 20], sorted(
+        printed
+    )  # --log-interval 5 (and the first)
     assert all(0 < float(v) < 10 for v in printed.values()), printed
     assert "validation loss at iteration 10" in out and "validation loss at iteration 20" in out
 
@@ -103,30 +115,54 @@ def _check_quickstart(clone: Path, out: str) -> None:
     rows = [json.loads(x) for x in (work / "losses.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(1, 21))
     assert sorted(p.name for p in (work / "local" / "1").glob("iter_0000016_*_local.pt")) == [
-        "iter_0000016_0_local.pt", "iter_0000016_1_local.pt"]  # its own shard and rank 0's replica
+        "iter_0000016_0_local.pt",
+        "iter_0000016_1_local.pt",
+    ]  # its own shard and rank 0's replica
     for log in ("setup", "preprocess", "part1", "part2", "verify"):
         assert (work / f"{log}.log").stat().st_size > 0
 
 
-CHECKS = {"cpu-train": _check_cpu_train, "preprocess": _check_preprocess, "quickstart": _check_quickstart}
+CHECKS = {
+    "cpu-train": _check_cpu_train,
+    "preprocess": _check_preprocess,
+    "quickstart": _check_quickstart,
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, text", [
-    pytest.param(n, t, id=n, marks=[pytest.mark.quick] if n.split(":")[1] in QUICK else [])
-    for n, t in BLOCKS])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        pytest.param(n, t, id=n, marks=[pytest.mark.quick] if n.split(":")[1] in QUICK else [])
+        for n, t in BLOCKS
+    ],
+)
 def test_runnable_block(tmp_path, name, text):
     clone = _clone(tmp_path)
     before = set(os.listdir(clone))
-    env = {**os.environ, "PATH": f"{clone / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
-           "VIRTUAL_ENV": str(clone / ".venv"), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{clone / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(clone / ".venv"),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("PYTHONPATH", None)  # as a user's shell: the project is installed in the venv
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=clone, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{text}\n---\n{proc.stdout[-6000:]}"
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", text],
+        cwd=clone,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (
+        f"{name} failed ({proc.returncode}):\n{text}\n---\n{proc.stdout[-6000:]}"
+    )
     created = sorted(set(os.listdir(clone)) - before)
-    assert sorted(_ignored(clone, created)) == created, \
+    assert sorted(_ignored(clone, created)) == created, (
         f"{name} left files that .gitignore does not cover: {sorted(set(created) - set(_ignored(clone, created)))}"
+    )
     check = CHECKS.get(name.split(":")[1])
     if check:
         check(clone, proc.stdout)

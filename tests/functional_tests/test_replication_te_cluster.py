@@ -37,22 +37,35 @@ WORLD = 2
 
 
 def _fp8_capable() -> bool:
-    return (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
-            and torch.cuda.get_device_capability(0) >= (8, 9))
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= WORLD
+        and torch.cuda.get_device_capability(0) >= (8, 9)
+    )
 
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                       reason="needs Transformer Engine"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
+    ),
     pytest.mark.skipif(not _fp8_capable(), reason=f"needs {WORLD} GPUs with FP8 (sm_89 or newer)"),
 ]
 
 ENV = {"MEGATRON_TEST_DEVICE": "cuda", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 ITER = 10
-FP8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-param-gather",
-       "--use-distributed-optimizer", "--transformer-impl", "transformer_engine"]
+FP8 = [
+    "--bf16",
+    "--fp8-format",
+    "hybrid",
+    "--fp8-recipe",
+    "delayed",
+    "--fp8-param-gather",
+    "--use-distributed-optimizer",
+    "--transformer-impl",
+    "transformer_engine",
+]
 
 
 def _train(work: Path, env: dict):
@@ -71,8 +84,11 @@ def test_fp8_param_primaries_and_replicas_equal_persistent(tmp_path):
 
     run = _train(tmp_path, ENV)
     # each rank dequantized real TE Float8Tensor parameters for its primary and replicas
-    lines = re.findall(r"local checkpoint .* \(rank (\d+)\): primary and replicas store (\d+) quantized "
-                       r"tensors dequantized \(([^)]*)\)", run.output)
+    lines = re.findall(
+        r"local checkpoint .* \(rank (\d+)\): primary and replicas store (\d+) quantized "
+        r"tensors dequantized \(([^)]*)\)",
+        run.output,
+    )
     assert sorted({int(r) for r, _, _ in lines}) == list(range(WORLD)), run.output[-4000:]
     assert all(int(n) > 0 and "Float8Tensor -> bfloat16" in kinds for _, n, kinds in lines), lines
     _local_files(tmp_path)
@@ -107,12 +123,18 @@ def test_guard_unfixed_upstream_writes_bad_fp8_replicas(tmp_path):
     bad = []
     for owner in range(WORLD):
         holder = (owner + 1) % WORLD
-        primary = _dense_shards(tmp_path / "local" / str(owner) / f"iter_{ITER:07d}_{owner}_local.pt")
-        replica = _dense_shards(tmp_path / "local" / str(holder) / f"iter_{ITER:07d}_{owner}_local.pt")
+        primary = _dense_shards(
+            tmp_path / "local" / str(owner) / f"iter_{ITER:07d}_{owner}_local.pt"
+        )
+        replica = _dense_shards(
+            tmp_path / "local" / str(holder) / f"iter_{ITER:07d}_{owner}_local.pt"
+        )
         assert primary.keys() == replica.keys()
         for k, p in primary.items():
             r = replica[k]
             if not torch.equal(p.view(-1).view(torch.int32), r.view(-1).view(torch.int32)):
                 bad.append((owner, k, int((~torch.isfinite(r)).sum())))
-    assert bad, "unfixed NVRx wrote every FP8 replica faithfully: the defect (and this guard) is gone"
+    assert bad, (
+        "unfixed NVRx wrote every FP8 replica faithfully: the defect (and this guard) is gone"
+    )
     # the primaries themselves are fine upstream: only what crossed the wire is wrong

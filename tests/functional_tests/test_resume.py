@@ -23,8 +23,17 @@ from tests.functional_tests.launch import (
 pytestmark = pytest.mark.slow
 
 RESUMED = range(11, 21)
-LOCAL = ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "5",
-         "--replication", "--replication-jump", "1", "--replication-factor", "2"]
+LOCAL = [
+    "--non-persistent-ckpt-type",
+    "local",
+    "--non-persistent-save-interval",
+    "5",
+    "--replication",
+    "--replication-jump",
+    "1",
+    "--replication-factor",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +45,9 @@ def straight(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight_distopt(tmp_path_factory):
-    return run_pretrain(tmp_path_factory.mktemp("straight_do"), "--use-distributed-optimizer").losses
+    return run_pretrain(
+        tmp_path_factory.mktemp("straight_do"), "--use-distributed-optimizer"
+    ).losses
 
 
 def _first_half(workdir, *extra):
@@ -50,8 +61,15 @@ def test_torch_dist_resume_is_bitwise(tmp_path, straight):
     starts (fix ``training_log``: unfixed, iterations 2 and 12 print the mean of two)."""
     first = _first_half(tmp_path, "--save-interval", "10")
     assert_printed_losses_match_log(first)
-    resumed = run_pretrain(tmp_path, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
-                           "--save-interval", "10")
+    resumed = run_pretrain(
+        tmp_path,
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "10",
+    )
     assert resumed.first_iteration() == 11
     assert_bitwise_equal(straight, resumed.losses, RESUMED)
     assert_printed_losses_match_log(resumed)
@@ -67,20 +85,37 @@ def test_resume_without_rng_state_is_not_bitwise(tmp_path, straight):
 
 def test_local_checkpoint_resume_and_replica_recovery_are_bitwise(tmp_path, straight):
     run_dir = tmp_path / "run"
-    _first_half(run_dir, "--save-interval", "1000", "--non-persistent-local-ckpt-dir",
-                str(run_dir / "local"), *LOCAL)
+    _first_half(
+        run_dir,
+        "--save-interval",
+        "1000",
+        "--non-persistent-local-ckpt-dir",
+        str(run_dir / "local"),
+        *LOCAL,
+    )
     assert not list((run_dir / "ckpt").glob("iter_*")), "no persistent checkpoint may exist at 10"
     for name, lose_rank in (("intact", None), ("rank1_lost", 1)):
         work = tmp_path / name
         shutil.copytree(run_dir, work)
         local = work / "local"
-        assert sorted(p.name for p in (local / "1").iterdir()) == ["iter_0000010_0_local.pt",
-                                                                    "iter_0000010_1_local.pt"]
+        assert sorted(p.name for p in (local / "1").iterdir()) == [
+            "iter_0000010_0_local.pt",
+            "iter_0000010_1_local.pt",
+        ]
         if lose_rank is not None:
             shutil.rmtree(local / str(lose_rank))
-        resumed = run_pretrain(work, "--save", str(work / "ckpt"), "--load", str(work / "ckpt"),
-                               "--save-interval", "1000", "--non-persistent-local-ckpt-dir", str(local),
-                               *LOCAL)
+        resumed = run_pretrain(
+            work,
+            "--save",
+            str(work / "ckpt"),
+            "--load",
+            str(work / "ckpt"),
+            "--save-interval",
+            "1000",
+            "--non-persistent-local-ckpt-dir",
+            str(local),
+            *LOCAL,
+        )
         assert resumed.first_iteration() == 11, f"{name}: did not resume from the local checkpoint"
         assert_bitwise_equal(straight, resumed.losses, RESUMED)
         lines = start_lines(resumed.output)  # one line per rank, printed once
@@ -95,8 +130,16 @@ def test_local_checkpoint_resume_and_replica_recovery_are_bitwise(tmp_path, stra
 
 def test_distributed_optimizer_resume_is_bitwise(tmp_path, straight_distopt):
     _first_half(tmp_path, "--save-interval", "10", "--use-distributed-optimizer")
-    resumed = run_pretrain(tmp_path, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
-                           "--save-interval", "10", "--use-distributed-optimizer")
+    resumed = run_pretrain(
+        tmp_path,
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "10",
+        "--use-distributed-optimizer",
+    )
     assert resumed.first_iteration() == 11
     assert_bitwise_equal(straight_distopt, resumed.losses, RESUMED)
 
@@ -123,12 +166,22 @@ def test_async_save_after_an_abort_is_complete_and_resumes_bitwise(tmp_path, str
     results queue, is complete, and a resume from it is bitwise. (Unfixed on CPU the save of 10
     waits forever for a worker that died initialising CUDA; the stale results it would consume are
     shown in tests/unit_tests/fixes/test_async_reset.py.)"""
-    first = run_pretrain(tmp_path, "--save", str(tmp_path / "ckpt"), "--exit-interval", "10",
-                         "--save-interval", "5", "--async-save",
-                         env={"MEGATRON_TEST_ABORT_ASYNC_SAVE": "5"}, entry=FAULTS_ENTRY)
+    first = run_pretrain(
+        tmp_path,
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--exit-interval",
+        "10",
+        "--save-interval",
+        "5",
+        "--async-save",
+        env={"MEGATRON_TEST_ABORT_ASYNC_SAVE": "5"},
+        entry=FAULTS_ENTRY,
+    )
     aborted = [ln for ln in first.output.splitlines() if "aborted async checkpointing" in ln]
-    assert len(aborted) == 2 and all("1 save(s) not finalised, 1 write result(s) posted" in ln
-                                     for ln in aborted), aborted
+    assert len(aborted) == 2 and all(
+        "1 save(s) not finalised, 1 write result(s) posted" in ln for ln in aborted
+    ), aborted
     events = save_timeline(first.output)
     assert ("scheduled", 5) in events and ("saved", 5) not in events, events
     assert ("saved", 10) in events, events
@@ -144,13 +197,31 @@ def test_indexed_dataset_trains(tmp_path):
 
     from tools.preprocess_data import preprocess
 
-    stats = preprocess(["--input", sysconfig.get_paths()["stdlib"] + "/json", "--pattern", "*.py",
-                        "--output-prefix", str(tmp_path / "data" / "corpus"), "--tokenizer-type",
-                        "ByteLevelTokenizer", "--append-eod", "--no-progress"])
+    stats = preprocess(
+        [
+            "--input",
+            sysconfig.get_paths()["stdlib"] + "/json",
+            "--pattern",
+            "*.py",
+            "--output-prefix",
+            str(tmp_path / "data" / "corpus"),
+            "--tokenizer-type",
+            "ByteLevelTokenizer",
+            "--append-eod",
+            "--no-progress",
+        ]
+    )
     assert stats.documents["text"] >= 4 and stats.tokens["text"] > 10_000
-    run = run_pretrain(tmp_path, "--data-path", str(tmp_path / "data" / "corpus_text_document"),
-                       "--split", "100,0,0",
-                       "--train-iters", "5", mock=False)
+    run = run_pretrain(
+        tmp_path,
+        "--data-path",
+        str(tmp_path / "data" / "corpus_text_document"),
+        "--split",
+        "100,0,0",
+        "--train-iters",
+        "5",
+        mock=False,
+    )
     assert sorted(run.losses) == [1, 2, 3, 4, 5]
     first = float.fromhex(run.losses[1]["lm loss"])
     assert 4.0 < first < 7.0, first  # ~ln(257) at init: byte tokens, not garbage ids

@@ -23,10 +23,26 @@ from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
 
 pytestmark = pytest.mark.slow
 
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
-       "--moe-router-force-load-balancing", "--moe-input-jitter-eps", "0.1",
-       "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-       "--train-iters", "10", "--save-interval", "5", "--ckpt-format", "torch_dist"]
+MOE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--disable-bias-linear",
+    "--moe-router-force-load-balancing",
+    "--moe-input-jitter-eps",
+    "0.1",
+    "--hidden-dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--train-iters",
+    "10",
+    "--save-interval",
+    "5",
+    "--ckpt-format",
+    "torch_dist",
+]
 WARNING = "CPU RNG state changed within GPU RNG context"
 RESTORED = re.compile(r"rng_state: rank (\d+) loads (.*?); restored (.*)")
 
@@ -69,7 +85,9 @@ def runs(request, tmp_path_factory):
     resume_ckpt.mkdir(parents=True)
     shutil.copytree(work / "straight" / "ckpt" / "iter_0000005", resume_ckpt / "iter_0000005")
     (resume_ckpt / "latest_checkpointed_iteration.txt").write_text("5")
-    resumed = run_pretrain(work / "resumed", *MOE, *ep, "--save", str(resume_ckpt), "--load", str(resume_ckpt))
+    resumed = run_pretrain(
+        work / "resumed", *MOE, *ep, "--save", str(resume_ckpt), "--load", str(resume_ckpt)
+    )
     return straight, resumed, saved_digests(resume_ckpt / "iter_0000005", 2)
 
 

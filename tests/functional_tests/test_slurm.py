@@ -31,8 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 SBATCH = REPO / "examples" / "slurm" / "pretrain_gpt_local_ckpt.sbatch"
 MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"
 DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 257"
-TRAIN = ("--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 "
-         "--eval-interval 1000 --seed 1234 --train-iters 8")
+TRAIN = (
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 "
+    "--eval-interval 1000 --seed 1234 --train-iters 8"
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +52,45 @@ def _submit(slurm, work: Path, extra_env: dict, timeout: float = 1500) -> tuple[
     """``sbatch --wait`` the example script with pyxis off; returns (exit code, job output)."""
     work.mkdir(parents=True, exist_ok=True)
     env = slurm.env()
-    env.update({
-        "USE_PYXIS": "0",
-        "MEGATRON_DIR": str(REPO),
-        "PYTHON": sys.executable,
-        "CKPT_DIR": str(work / "ckpt"),
-        "LOCAL_CKPT_DIR": str(work / "local"),
-        "GPUS_PER_NODE": "2",
-        "REPLICATION_JUMP": "1",
-        "REPLICATION_FACTOR": "2",
-        "MASTER_PORT": str(free_port()),
-        "MODEL_ARGS": MODEL,
-        "DATA_ARGS": DATA,
-        "TRAIN_ARGS": TRAIN,
-        "EXTRA_ARGS": ("--cpu " if device() == "cpu" else "") + f"--loss-log {work / 'losses.jsonl'}",
-        "PYTHONUNBUFFERED": "1",
-        **extra_env,
-    })
+    env.update(
+        {
+            "USE_PYXIS": "0",
+            "MEGATRON_DIR": str(REPO),
+            "PYTHON": sys.executable,
+            "CKPT_DIR": str(work / "ckpt"),
+            "LOCAL_CKPT_DIR": str(work / "local"),
+            "GPUS_PER_NODE": "2",
+            "REPLICATION_JUMP": "1",
+            "REPLICATION_FACTOR": "2",
+            "MASTER_PORT": str(free_port()),
+            "MODEL_ARGS": MODEL,
+            "DATA_ARGS": DATA,
+            "TRAIN_ARGS": TRAIN,
+            "EXTRA_ARGS": ("--cpu " if device() == "cpu" else "")
+            + f"--loss-log {work / 'losses.jsonl'}",
+            "PYTHONUNBUFFERED": "1",
+            **extra_env,
+        }
+    )
     out = work / "job.out"
     proc = subprocess.run(
-        ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
-         "--job-name=test-local-ckpt", f"--output={out}", str(SBATCH)],
-        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout)
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--gpus-per-node=0",
+            "--job-name=test-local-ckpt",
+            f"--output={out}",
+            str(SBATCH),
+        ],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     text = out.read_text(errors="replace") if out.exists() else ""
     return proc.returncode, f"{proc.stdout}\n{text}"
 
@@ -102,8 +120,10 @@ def test_sbatch_trains_two_tasks_with_replicated_local_checkpoints(slurm, tmp_pa
 
 def test_sbatch_restarts_and_falls_back_to_persistent_after_bad_local_tier(slurm, tmp_path):
     env = {
-        "SAVE_INTERVAL": "3", "LOCAL_SAVE_INTERVAL": "2",  # persistent 3, 6; local 2, 4, 8
-        "MAX_RESTARTS": "2", "RESTART_ON_FAILURE": "1",
+        "SAVE_INTERVAL": "3",
+        "LOCAL_SAVE_INTERVAL": "2",  # persistent 3, 6; local 2, 4, 8
+        "MAX_RESTARTS": "2",
+        "RESTART_ON_FAILURE": "1",
         # attempt 0: rank 1 crashes after iteration 4 (local checkpoint 4 saved), its local
         # directory deleted; attempt 1 resumes from local 4 (replica) and diverges at 6 -> exit 75;
         # attempt 2 finds the markers and loads persistent 3.
@@ -117,7 +137,9 @@ def test_sbatch_restarts_and_falls_back_to_persistent_after_bad_local_tier(slurm
     assert "restart 1/2 after failure" in output
     assert "local checkpoint at iteration 4 verified on all ranks" in output
     assert "restart 2/2: exit code 75, the local checkpoint tier was marked bad" in output
-    rejected = [ln for ln in output.splitlines() if "local checkpoint tier rejected: bad-tier marker" in ln]
+    rejected = [
+        ln for ln in output.splitlines() if "local checkpoint tier rejected: bad-tier marker" in ln
+    ]
     assert len(rejected) == 2 and all("iteration 3 in" in ln for ln in rejected), rejected
     assert "successfully loaded checkpoint from" in output and "at iteration 3" in output
     assert "training finished (attempt 2)" in output

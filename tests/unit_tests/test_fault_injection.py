@@ -24,41 +24,79 @@ REPO = Path(__file__).resolve().parents[2]
 # parser
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, expected", [
-    ("rank=1,iteration=12,moment=replicate",
-     {"rank": 1, "iteration": 12, "moment": "replicate", "fraction": None, "once": None}),
-    ("rank=0,iteration=4,moment=write",
-     {"rank": 0, "iteration": 4, "moment": "write", "fraction": 0.5, "once": None}),
-    (" rank = 3 , iteration=7, moment=write, fraction=0.125, once=/tmp/x.done ,",
-     {"rank": 3, "iteration": 7, "moment": "write", "fraction": 0.125, "once": "/tmp/x.done"}),
-    ("moment=rename,iteration=0,rank=2",
-     {"rank": 2, "iteration": 0, "moment": "rename", "fraction": None, "once": None}),
-    ("rank=1,iteration=12,moment=cleanup,once=done",
-     {"rank": 1, "iteration": 12, "moment": "cleanup", "fraction": None, "once": "done"}),
-])
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        (
+            "rank=1,iteration=12,moment=replicate",
+            {"rank": 1, "iteration": 12, "moment": "replicate", "fraction": None, "once": None},
+        ),
+        (
+            "rank=0,iteration=4,moment=write",
+            {"rank": 0, "iteration": 4, "moment": "write", "fraction": 0.5, "once": None},
+        ),
+        (
+            " rank = 3 , iteration=7, moment=write, fraction=0.125, once=/tmp/x.done ,",
+            {
+                "rank": 3,
+                "iteration": 7,
+                "moment": "write",
+                "fraction": 0.125,
+                "once": "/tmp/x.done",
+            },
+        ),
+        (
+            "moment=rename,iteration=0,rank=2",
+            {"rank": 2, "iteration": 0, "moment": "rename", "fraction": None, "once": None},
+        ),
+        (
+            "rank=1,iteration=12,moment=cleanup,once=done",
+            {"rank": 1, "iteration": 12, "moment": "cleanup", "fraction": None, "once": "done"},
+        ),
+    ],
+)
 def test_parse_local_save_kill_values(spec, expected):
     assert fi.parse_local_save_kill(spec) == expected
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("rank=1,iteration=12", r"moment= required"),
-    ("iteration=12,moment=write", r"rank= required"),
-    ("moment=write", r"rank=, iteration= required"),
-    ("", r"rank=, iteration=, moment= required"),
-    ("rank=1,iteration=12,moment=flush", r"unknown moment 'flush' \(one of replicate, write, rename, cleanup\)"),
-    ("rank=1,iteration=12,moment=write,frac=0.5", r"unknown key 'frac'"),
-    ("rank=1,iteration=12,moment=write,0.5", r"'0.5' is not key=value"),
-    ("rank=one,iteration=12,moment=write", r"rank='one' is not an integer"),
-    ("rank=1,iteration=1.5,moment=write", r"iteration='1.5' is not an integer"),
-    ("rank=-1,iteration=12,moment=write", r"rank=-1 must be >= 0"),
-    ("rank=1,iteration=12,moment=write,fraction=half", r"fraction='half' is not a number"),
-    ("rank=1,iteration=12,moment=write,fraction=0", r"fraction=0 must be strictly between 0 and 1"),
-    ("rank=1,iteration=12,moment=write,fraction=1", r"fraction=1 must be strictly between 0 and 1"),
-    ("rank=1,iteration=12,moment=write,fraction=nan", r"fraction=nan must be strictly between 0 and 1"),
-    ("rank=1,iteration=12,moment=cleanup,fraction=0.5", r"fraction= applies only to moment=write \(got moment=cleanup\)"),
-    ("rank=1,rank=2,iteration=12,moment=write", r"'rank' given twice"),
-    ("rank=1,iteration=12,moment=write,once=", r"once= needs a path"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("rank=1,iteration=12", r"moment= required"),
+        ("iteration=12,moment=write", r"rank= required"),
+        ("moment=write", r"rank=, iteration= required"),
+        ("", r"rank=, iteration=, moment= required"),
+        (
+            "rank=1,iteration=12,moment=flush",
+            r"unknown moment 'flush' \(one of replicate, write, rename, cleanup\)",
+        ),
+        ("rank=1,iteration=12,moment=write,frac=0.5", r"unknown key 'frac'"),
+        ("rank=1,iteration=12,moment=write,0.5", r"'0.5' is not key=value"),
+        ("rank=one,iteration=12,moment=write", r"rank='one' is not an integer"),
+        ("rank=1,iteration=1.5,moment=write", r"iteration='1.5' is not an integer"),
+        ("rank=-1,iteration=12,moment=write", r"rank=-1 must be >= 0"),
+        ("rank=1,iteration=12,moment=write,fraction=half", r"fraction='half' is not a number"),
+        (
+            "rank=1,iteration=12,moment=write,fraction=0",
+            r"fraction=0 must be strictly between 0 and 1",
+        ),
+        (
+            "rank=1,iteration=12,moment=write,fraction=1",
+            r"fraction=1 must be strictly between 0 and 1",
+        ),
+        (
+            "rank=1,iteration=12,moment=write,fraction=nan",
+            r"fraction=nan must be strictly between 0 and 1",
+        ),
+        (
+            "rank=1,iteration=12,moment=cleanup,fraction=0.5",
+            r"fraction= applies only to moment=write \(got moment=cleanup\)",
+        ),
+        ("rank=1,rank=2,iteration=12,moment=write", r"'rank' given twice"),
+        ("rank=1,iteration=12,moment=write,once=", r"once= needs a path"),
+    ],
+)
 def test_parse_local_save_kill_errors(spec, message):
     with pytest.raises(ValueError, match=r"^MEGATRON_TEST_KILL_IN_LOCAL_SAVE: " + message):
         fi.parse_local_save_kill(spec)
@@ -161,10 +199,16 @@ def killed(tmp_path_factory):
         dict(name="write", spec="rank=0,iteration=4,moment=write,fraction=0.25"),
         dict(name="rename", spec="rank=0,iteration=4,moment=rename"),
         dict(name="cleanup", spec="rank=0,iteration=4,moment=cleanup"),
-        dict(name="write_subclass", spec="rank=0,iteration=4,moment=write,fraction=0.75", subclass=True),
+        dict(
+            name="write_subclass",
+            spec="rank=0,iteration=4,moment=write,fraction=0.75",
+            subclass=True,
+        ),
         dict(name="other_rank", spec="rank=1,iteration=4,moment=write"),
         dict(name="once_done", spec=f"rank=0,iteration=4,moment=write,once={tmp / 'done.flag'}"),
-        dict(name="once_fires", spec=f"rank=0,iteration=4,moment=cleanup,once={tmp / 'fires.flag'}"),
+        dict(
+            name="once_fires", spec=f"rank=0,iteration=4,moment=cleanup,once={tmp / 'fires.flag'}"
+        ),
     ]
     (tmp / "done.flag").touch()
     for c in cases:
@@ -173,11 +217,18 @@ def killed(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     for name in (fi.ENV_FAULT, fi.ENV_NAN, fi.ENV_KILL_LOCAL_SAVE):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases)], env=env, cwd=tmp,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(cases)],
+        env=env,
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS "):])
+    results = json.loads(line[len("RESULTS ") :])
     for r in results.values():
         r["files"] = {n: bytes.fromhex(h) for n, h in r["files"].items()}
     return results, proc.stdout, tmp
@@ -196,8 +247,10 @@ def test_kill_at_replicate_leaves_no_file_of_the_iteration(killed):
     r = results["replicate"]
     assert r["signal"] == signal.SIGKILL
     assert sorted(r["files"]) == [F2]
-    assert ("[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment replicate: "
-            "start of save(), before replication and before any file)") in _lines(out)
+    assert (
+        "[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment replicate: "
+        "start of save(), before replication and before any file)"
+    ) in _lines(out)
 
 
 @pytest.mark.parametrize("name, fraction", [("write", 0.25), ("write_subclass", 0.75)])
@@ -211,8 +264,10 @@ def test_kill_mid_write_leaves_a_prefix_of_the_file(killed, name, fraction):
     assert 0 < n < len(full)
     assert r["files"][D4] == full[:n]
     path = Path(tmp) / name / "local" / "0" / D4
-    assert (f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment write: {n} of "
-            f"{len(full)} bytes (fraction {fraction}) of {path} written)") in _lines(out)
+    assert (
+        f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment write: {n} of "
+        f"{len(full)} bytes (fraction {fraction}) of {path} written)"
+    ) in _lines(out)
 
 
 def test_write_hook_wraps_the_class_installed_before_it(killed):
@@ -228,11 +283,18 @@ def test_kill_after_rename_and_at_cleanup_leave_both_iterations(killed):
         assert sorted(r["files"]) == [F2, F4], name  # 4 final, 2 not cleaned up yet
         assert r["files"][F4] == r["files"][F2], name
     local = Path(tmp) / "rename" / "local" / "0"
-    assert (f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment rename: right "
-            f"after {local / D4} -> {local / F4})") in _lines(out)
-    assert _lines(out).count("[fault-injection] rank 0: SIGKILL during its local save of iteration 4 "
-                             "(moment cleanup: start of _cleanup(4), older local checkpoints not "
-                             "removed yet)") == 2  # cleanup and once_fires
+    assert (
+        f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment rename: right "
+        f"after {local / D4} -> {local / F4})"
+    ) in _lines(out)
+    assert (
+        _lines(out).count(
+            "[fault-injection] rank 0: SIGKILL during its local save of iteration 4 "
+            "(moment cleanup: start of _cleanup(4), older local checkpoints not "
+            "removed yet)"
+        )
+        == 2
+    )  # cleanup and once_fires
     assert (Path(tmp) / "fires.flag").exists()
 
 

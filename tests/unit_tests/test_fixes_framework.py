@@ -50,7 +50,9 @@ def test_apply_is_idempotent_and_reset_restores():
 
 def test_unsupported_version_is_a_clear_error():
     fix = _Fake(supported="==0.1.0")
-    with pytest.raises(UnsupportedUpstreamError, match=r"megatron-core==0\.1\.0.*0\.19\.2 is installed"):
+    with pytest.raises(
+        UnsupportedUpstreamError, match=r"megatron-core==0\.1\.0.*0\.19\.2 is installed"
+    ):
         fix.apply()
     assert fix.installs == 0 and fix.target.attr == "original"
 
@@ -75,7 +77,13 @@ def test_registry_apply_twice_patches_once(monkeypatch):
     second = fixes.apply()
     assert first == second and all(s is FixStatus.ACTIVE for s in first.values()), first
     assert DistributedOptimizer.state_dict is patched
-    assert {"replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume", "distopt_reshard"} <= set(first)
+    assert {
+        "replication",
+        "modelopt_moe",
+        "fsdp_dtensor",
+        "distopt_resume",
+        "distopt_reshard",
+    } <= set(first)
 
 
 def test_disable_env_names_are_checked(monkeypatch):
@@ -97,21 +105,36 @@ def test_every_fix_declares_its_patches_and_targets_the_pins():
 def test_pinned_upstream_still_has_every_defect():
     """In a fresh process (no fix applied yet): the pinned upstream still has each defect. A fix
     that stood aside here would mean the guard tests no longer prove anything."""
-    script = ("import megatron.fixes as f\n"
-              "bad = [x.name for x in f.fixes() if x.upstream_behaves()]\n"
-              "print('BEHAVES', bad)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    script = (
+        "import megatron.fixes as f\n"
+        "bad = [x.name for x in f.fixes() if x.upstream_behaves()]\n"
+        "print('BEHAVES', bad)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BEHAVES []" in out.stdout, out.stdout
 
 
 @pytest.mark.slow
 def test_cli_lists_fixes():
-    out = subprocess.run([sys.executable, "-m", "megatron.fixes"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.fixes"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    names = ("replication", "modelopt_moe", "fsdp_dtensor", "distopt_resume", "distopt_reshard",
-             "training_log", "help_text", "pretrained_redirect", "async_reset", "rng_state_ep")
+    names = (
+        "replication",
+        "modelopt_moe",
+        "fsdp_dtensor",
+        "distopt_resume",
+        "distopt_reshard",
+        "training_log",
+        "help_text",
+        "pretrained_redirect",
+        "async_reset",
+        "rng_state_ep",
+    )
     for name in names:
         assert f"{name}:" in out.stdout
     assert out.stdout.count("status:    active") == len(names)

@@ -32,8 +32,10 @@ def test_records_stack_and_restore_by_owner():
     b.replace(mod, "new_attr", second, "adds one")
     recs = reg.records()
     assert [(r.target, r.owner, r.depth, r.adds_attribute) for r in recs] == [
-        ("upstream_mod.fn", "a", 1, False), ("upstream_mod.fn", "b", 2, False),
-        ("upstream_mod.new_attr", "b", 1, True)]
+        ("upstream_mod.fn", "a", 1, False),
+        ("upstream_mod.fn", "b", 2, False),
+        ("upstream_mod.new_attr", "b", 1, True),
+    ]
     assert recs[0].replacement.endswith("first") and recs[0].why == "why a"
     assert list(reg.stacked()) == ["upstream_mod.fn"]
     assert reg.is_recorded(mod, "fn") and mod.fn() == "second"
@@ -130,19 +132,24 @@ _SETUP_SCRIPT = textwrap.dedent(r"""
 
 @pytest.mark.slow
 def test_entrypoint_setup_replaces_nothing_outside_the_registry():
-    out = subprocess.run([sys.executable, "-c", _SETUP_SCRIPT], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _SETUP_SCRIPT], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["unrecorded"] == [], result["unrecorded"]
     assert result["records"] >= 84
 
 
 @pytest.mark.slow
 def test_cli_json_lists_every_replacement():
-    out = subprocess.run([sys.executable, "-m", "megatron.fixes", "--json"], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.fixes", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout)
     recs = data["replacements"]
@@ -152,7 +159,8 @@ def test_cli_json_lists_every_replacement():
         assert not r["why"].startswith("part of fix "), r  # a specific reason at each replace
     owners = {r["owner"] for r in recs}
     fix_owners = {f["name"] for f in data["fixes"]} | {
-        p["name"] for f in data["fixes"] for p in f["parts"]}
+        p["name"] for f in data["fixes"] for p in f["parts"]
+    }
     assert {"cpu", "persistent_tier", "local_tier", "loss_log"} <= owners
     assert all(f["status"] == "active" for f in data["fixes"]), data["fixes"]
     assert owners - {"cpu", "persistent_tier", "local_tier", "loss_log"} <= fix_owners

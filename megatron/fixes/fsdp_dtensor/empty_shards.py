@@ -42,8 +42,11 @@ def _shard_groups(param: torch.Tensor) -> list:
 
     if not isinstance(param, DTensor):
         return []
-    return [param.device_mesh.get_group(i) for i, p in enumerate(param.placements)
-            if isinstance(p, (Shard, _StridedShard))]
+    return [
+        param.device_mesh.get_group(i)
+        for i, p in enumerate(param.placements)
+        if isinstance(p, (Shard, _StridedShard))
+    ]
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,11 @@ def agree_on_step(optimizer: torch.optim.Optimizer, groups: Iterable) -> StepAgr
                 if "step" in state:
                     steps.append(float(state["step"]))
     ninf = float("-inf")
-    vec = torch.tensor([max(steps, default=ninf), -min(steps, default=float("inf")), present],
-                       dtype=torch.float64, device=device or "cpu")
+    vec = torch.tensor(
+        [max(steps, default=ninf), -min(steps, default=float("inf")), present],
+        dtype=torch.float64,
+        device=device or "cpu",
+    )
     for g in groups:
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=g)
     hi, lo, any_state = float(vec[0]), -float(vec[1]), bool(vec[2])
@@ -94,7 +100,8 @@ def agree_on_step(optimizer: torch.optim.Optimizer, groups: Iterable) -> StepAgr
         raise ValueError(
             f"fsdp_dtensor checkpoint: optimizer parameters are at different steps ({lo:g} .. "
             f"{hi:g}) across the ranks sharing them; cannot give parameters with an empty local "
-            "shard a consistent 'step'")
+            "shard a consistent 'step'"
+        )
     return StepAgreement(any_state, hi)
 
 
@@ -155,7 +162,8 @@ def upstream_keeps_empty_shard_state() -> bool:
     ``sharded_param_state_fsdp_dtensor`` (handles empty shards?); False without source.
     """
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
-        ParamAndGradBuffer)
+        ParamAndGradBuffer,
+    )
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     packer = upstream_of(DistributedOptimizer.sharded_param_state_fsdp_dtensor)
@@ -172,10 +180,14 @@ class EmptyShardsFix(Fix):
     """Part of ``fsdp_dtensor``: wraps ``DistributedOptimizer.sharded_param_state_fsdp_dtensor``."""
 
     name = "fsdp_dtensor.empty_shards"
-    title = ("fsdp_dtensor: parameters with an empty local FSDP shard get optimizer state, so "
-             "the save/load no longer hangs")
-    upstream_refs = ("megatron-core 0.19.2 ParamAndGradBuffer.update_main_grads (empty shard: no "
-                     "optimizer state, ranks issue different collectives)",)
+    title = (
+        "fsdp_dtensor: parameters with an empty local FSDP shard get optimizer state, so "
+        "the save/load no longer hangs"
+    )
+    upstream_refs = (
+        "megatron-core 0.19.2 ParamAndGradBuffer.update_main_grads (empty shard: no "
+        "optimizer state, ranks issue different collectives)",
+    )
     package = "megatron-core"
     supported = "==0.19.2"
 
@@ -197,8 +209,10 @@ class EmptyShardsFix(Fix):
             return upstream(self, is_loading=False)
 
         patcher.replace(
-            DistributedOptimizer, "sharded_param_state_fsdp_dtensor",
+            DistributedOptimizer,
+            "sharded_param_state_fsdp_dtensor",
             sharded_param_state_fsdp_dtensor,
             "parameters with an empty local FSDP shard had no optimizer state, so ranks packed "
             "different keys and the per-DTensor collectives of the fsdp_dtensor save/load hung "
-            "(empty iter_* directory)")
+            "(empty iter_* directory)",
+        )

@@ -25,7 +25,13 @@ import torch
 from megatron.fixes.base import Fix
 from megatron.fixes.fsdp_dtensor.probes import module_calls, upstream_function
 from megatron.fixes.fsdp_dtensor.sections import (
-    FUSED, KV_SECTION, Q_SECTION, MlaModule, join_key, split_fused)
+    FUSED,
+    KV_SECTION,
+    Q_SECTION,
+    MlaModule,
+    join_key,
+    split_fused,
+)
 from megatron.fixes.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger("megatron.fixes.fsdp_dtensor")
@@ -94,8 +100,11 @@ def find_mla_modules(model: Any) -> dict[str, MlaModule]:
     for path, module in _modules(model):
         fused = getattr(module, FUSED, None)
         config = getattr(module, "config", None)
-        if not (isinstance(fused, torch.nn.Module) and config is not None
-                and getattr(config, "q_lora_rank", None)):
+        if not (
+            isinstance(fused, torch.nn.Module)
+            and config is not None
+            and getattr(config, "q_lora_rank", None)
+        ):
             continue
         weight = getattr(fused, "weight", None)
         if weight is not None:
@@ -112,15 +121,19 @@ def find_mla_modules(model: Any) -> dict[str, MlaModule]:
 def find_mtp_layers(model: Any) -> tuple[str, ...]:
     """Paths of the MTP layers whose inner ``mtp_model_layer`` is ``transformer_layer`` on disk:
     modules with such a child and no ``mtp_layer_pattern`` (hybrid MTP keeps its native name)."""
-    return tuple(path for path, module in _modules(model)
-                 if isinstance(getattr(module, MTP_LIVE, None), torch.nn.Module)
-                 and getattr(module, "mtp_layer_pattern", None) is None)
+    return tuple(
+        path
+        for path, module in _modules(model)
+        if isinstance(getattr(module, MTP_LIVE, None), torch.nn.Module)
+        and getattr(module, "mtp_layer_pattern", None) is None
+    )
 
 
 def find_model_layout(model: Any, *, mla: bool = True, mtp: bool = True) -> ModelLayout:
     """:func:`find_mla_modules` (if ``mla``) and :func:`find_mtp_layers` (if ``mtp``)."""
-    return ModelLayout(find_mla_modules(model) if mla else {},
-                       find_mtp_layers(model) if mtp else ())
+    return ModelLayout(
+        find_mla_modules(model) if mla else {}, find_mtp_layers(model) if mtp else ()
+    )
 
 
 def mla_hit(norm_key: str, layout: ModelLayout) -> tuple[MlaModule, str] | None:
@@ -128,12 +141,12 @@ def mla_hit(norm_key: str, layout: ModelLayout) -> tuple[MlaModule, str] | None:
     leaf ``weight``, ``layer_norm_weight`` or ``layer_norm_bias`` of a fused module, else None."""
     marker = f"{FUSED}."
     if norm_key.startswith(marker):
-        path, leaf = "", norm_key[len(marker):]
+        path, leaf = "", norm_key[len(marker) :]
     else:
         idx = norm_key.rfind(f".{marker}")
         if idx < 0:
             return None
-        path, leaf = norm_key[:idx], norm_key[idx + len(marker) + 1:]
+        path, leaf = norm_key[:idx], norm_key[idx + len(marker) + 1 :]
     module = layout.mla.get(path)
     if module is None or (leaf != "weight" and leaf not in LAYERNORM_MAP):
         return None
@@ -146,12 +159,13 @@ def _mtp_rename(norm_key: str, layout: ModelLayout, choice: Choice) -> str:
             continue
         head = join_key(path, MTP_LIVE) + "."
         if norm_key.startswith(head):
-            return join_key(path, MTP_DISK) + "." + norm_key[len(head):]
+            return join_key(path, MTP_DISK) + "." + norm_key[len(head) :]
     return norm_key
 
 
-def map_key(key: str, layout: ModelLayout,
-            choice: Choice = NEW_LAYOUT) -> list[tuple[str, str | None]]:
+def map_key(
+    key: str, layout: ModelLayout, choice: Choice = NEW_LAYOUT
+) -> list[tuple[str, str | None]]:
     """The on-disk key(s) of one live state-dict key.
 
     Returns:
@@ -165,8 +179,10 @@ def map_key(key: str, layout: ModelLayout,
     if hit is not None and hit[0].path not in choice.fused_legacy:
         module, leaf = hit
         if leaf == "weight":
-            out = [(join_key(module.path, Q_SECTION, "weight"), "q"),
-                   (join_key(module.path, KV_SECTION, "weight"), "kv")]
+            out = [
+                (join_key(module.path, Q_SECTION, "weight"), "q"),
+                (join_key(module.path, KV_SECTION, "weight"), "kv"),
+            ]
         else:
             out = [(join_key(module.parent, "input_layernorm", LAYERNORM_MAP[leaf]), None)]
     return [(prefix + _mtp_rename(k, layout, choice), part) for k, part in out]
@@ -175,6 +191,7 @@ def map_key(key: str, layout: ModelLayout,
 # --------------------------------------------------------------------------------------------
 # Prepared state dict: render in a layout, re-render for another (legacy_planner)
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Preparation:
@@ -246,7 +263,8 @@ def _render(prep: Preparation, path: tuple[str, ...], choice: Choice) -> dict:
                 if path == ("optimizer", "state") and isinstance(value, dict):
                     for sub, item in value.items():
                         if (path, key, sub) not in prep.sections and not isinstance(
-                                item, (dict, torch.Tensor)):
+                            item, (dict, torch.Tensor)
+                        ):
                             prep.writeback[path + (new_key, sub)] = (value, sub)
                 elif not isinstance(value, (dict, torch.Tensor)):
                     prep.writeback[path + (new_key,)] = (orig, key)
@@ -286,14 +304,18 @@ def _split_sections(originals: dict, layout: ModelLayout) -> dict:
                 sections[(path, key)] = split_fused(value, module, key)
             elif isinstance(value, dict):
                 for sub, item in value.items():
-                    if (hasattr(item, "shape") and item.dim() > 0
-                            and tuple(item.shape) == tuple(module.weight.shape)):
+                    if (
+                        hasattr(item, "shape")
+                        and item.dim() > 0
+                        and tuple(item.shape) == tuple(module.weight.shape)
+                    ):
                         sections[(path, key, sub)] = split_fused(item, module, f"{key}.{sub}")
     return sections
 
 
-def _prepare(model_state_dict: dict, optimizer_state_dict: dict | None,
-             found: ModelLayout) -> tuple[dict, dict | None]:
+def _prepare(
+    model_state_dict: dict, optimizer_state_dict: dict | None, found: ModelLayout
+) -> tuple[dict, dict | None]:
     """Render the state dicts in the fixed layout for ``found`` plus whatever an earlier handler
     rendered them for (its :class:`Preparation` rides on the model dict)."""
     if not found:
@@ -303,9 +325,13 @@ def _prepare(model_state_dict: dict, optimizer_state_dict: dict | None,
         top["optimizer"] = dict(optimizer_state_dict)
     earlier = getattr(model_state_dict, "fsdp_fix", None)
     if earlier is not None:
-        prep = dataclasses.replace(earlier, layout=earlier.layout.merged(found),
-                                   sections=dict(earlier.sections),
-                                   installed=dict(earlier.installed), writeback={})
+        prep = dataclasses.replace(
+            earlier,
+            layout=earlier.layout.merged(found),
+            sections=dict(earlier.sections),
+            installed=dict(earlier.installed),
+            writeback={},
+        )
     else:
         originals = {p: c for p in CONTAINERS if (c := get_container(top, p)) is not None}
         prep = Preparation(args=None, layout=found, originals=originals, sections={})
@@ -314,8 +340,9 @@ def _prepare(model_state_dict: dict, optimizer_state_dict: dict | None,
     return top["model"], top.get("optimizer", optimizer_state_dict)
 
 
-def handle_mla_down_proj_in_state_dict(model: Any, model_state_dict: dict,
-                                       optimizer_state_dict: dict | None):
+def handle_mla_down_proj_in_state_dict(
+    model: Any, model_state_dict: dict, optimizer_state_dict: dict | None
+):
     """Backport of upstream's function of this name (Megatron-LM PR 6271).
 
     Each fused ``<attn>.linear_qkv_down_proj.weight`` DTensor (global ``[q_lora_rank +
@@ -332,19 +359,18 @@ def handle_mla_down_proj_in_state_dict(model: Any, model_state_dict: dict,
     Raises:
         TypeError, ValueError: see :func:`.sections.split_fused`.
     """
-    return _prepare(model_state_dict, optimizer_state_dict,
-                    ModelLayout(mla=find_mla_modules(model)))
+    return _prepare(
+        model_state_dict, optimizer_state_dict, ModelLayout(mla=find_mla_modules(model))
+    )
 
 
-def handle_mtp_in_state_dict(model: Any, model_state_dict: dict,
-                             optimizer_state_dict: dict | None):
+def handle_mtp_in_state_dict(model: Any, model_state_dict: dict, optimizer_state_dict: dict | None):
     """Backport of upstream's function of this name (Megatron-LM PR 6271): keys under an MTP
     layer's ``mtp_model_layer`` (model, optimizer state, param-group metadata) move to
     ``transformer_layer``, the name every other checkpoint format uses
     (``MultiTokenPredictionLayer.sharded_state_dict``); hybrid MTP layers keep theirs. Inputs are
     not modified; returns ``(model_state_dict, optimizer_state_dict)``."""
-    return _prepare(model_state_dict, optimizer_state_dict,
-                    ModelLayout(mtp=find_mtp_layers(model)))
+    return _prepare(model_state_dict, optimizer_state_dict, ModelLayout(mtp=find_mtp_layers(model)))
 
 
 def prepare_state_dict(state_dict: dict, model: Any, args: Any = None) -> dict:
@@ -363,8 +389,9 @@ def prepare_state_dict(state_dict: dict, model: Any, args: Any = None) -> dict:
     Returns:
         ``state_dict`` itself if the model has nothing to handle, else a :class:`PreparedStateDict`.
     """
-    msd, osd = handle_mla_down_proj_in_state_dict(model, state_dict["model"],
-                                                  state_dict.get("optimizer"))
+    msd, osd = handle_mla_down_proj_in_state_dict(
+        model, state_dict["model"], state_dict.get("optimizer")
+    )
     msd, osd = handle_mtp_in_state_dict(model, msd, osd)
     prep = getattr(msd, "fsdp_fix", None)
     if prep is None:
@@ -399,8 +426,10 @@ def upstream_handles_layout() -> bool:
         from megatron.training import checkpointing
     except ImportError:
         return False
-    handlers = [upstream_function("megatron.core.transformer.fsdp_dtensor_checkpoint", name)
-                for name in _HANDLERS]
+    handlers = [
+        upstream_function("megatron.core.transformer.fsdp_dtensor_checkpoint", name)
+        for name in _HANDLERS
+    ]
     if any(h is None for h in handlers):
         return False
     if not all(module_calls(checkpointing, name) for name in _HANDLERS):
@@ -412,8 +441,10 @@ class MlaMtpLayoutFix(Fix):
     """Part of ``fsdp_dtensor``: wraps ``preprocess_fsdp_dtensor_state_dict`` (save and load)."""
 
     name = "fsdp_dtensor.mla_mtp_layout"
-    title = ("fsdp_dtensor: fused MLA down projection and MTP layers saved in the unfused layout, "
-             "with their optimizer state")
+    title = (
+        "fsdp_dtensor: fused MLA down projection and MTP layers saved in the unfused layout, "
+        "with their optimizer state"
+    )
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
     supported = "==0.19.2"
@@ -433,9 +464,11 @@ class MlaMtpLayoutFix(Fix):
             return prepare_state_dict(upstream(args, raw_state_dict, model), model, args)
 
         patcher.replace(
-            checkpointing, "preprocess_fsdp_dtensor_state_dict",
+            checkpointing,
+            "preprocess_fsdp_dtensor_state_dict",
             preprocess_fsdp_dtensor_state_dict,
             "fsdp_dtensor checkpoints saved linear_qkv_down_proj under the fused key and MTP "
             "layers as mtp_model_layer, so they could not round-trip with unfused models; now "
             "saved as linear_q_down_proj / linear_kv_down_proj views (+ input_layernorm) and "
-            "transformer_layer, optimizer state included")
+            "transformer_layer, optimizer state included",
+        )

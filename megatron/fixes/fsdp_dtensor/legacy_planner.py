@@ -17,8 +17,19 @@ from typing import Iterable, Mapping
 
 from megatron.fixes.base import Fix
 from megatron.fixes.fsdp_dtensor.layout import (
-    MTP_LIVE, NEW_LAYOUT, Choice, MlaModule, Preparation, get_container, install_choice, logger,
-    map_key, mla_hit, strip_wrappers, upstream_handles_layout)
+    MTP_LIVE,
+    NEW_LAYOUT,
+    Choice,
+    MlaModule,
+    Preparation,
+    get_container,
+    install_choice,
+    logger,
+    map_key,
+    mla_hit,
+    strip_wrappers,
+    upstream_handles_layout,
+)
 from megatron.fixes.fsdp_dtensor.sections import FUSED, KV_SECTION, Q_SECTION, join_key
 from megatron.fixes.registry import Patcher
 
@@ -46,8 +57,10 @@ def detect_choice(prep: Preparation, md_keys: Mapping | Iterable[str]) -> Choice
             if not strip_wrappers(key).startswith(head):
                 continue
             new_hits += sum(f"model.{k}" in md for k, _ in map_key(key, layout, NEW_LAYOUT))
-            old_hits += sum(f"model.{k}" in md
-                            for k, _ in map_key(key, layout, Choice(mtp_legacy=frozenset([path]))))
+            old_hits += sum(
+                f"model.{k}" in md
+                for k, _ in map_key(key, layout, Choice(mtp_legacy=frozenset([path])))
+            )
         if new_hits == 0 and old_hits > 0:
             mtp_legacy.add(path)
     base = Choice(mtp_legacy=frozenset(mtp_legacy))
@@ -57,8 +70,10 @@ def detect_choice(prep: Preparation, md_keys: Mapping | Iterable[str]) -> Choice
         if hit is None or hit[1] != "weight":
             continue
         split_keys = [f"model.{k}" for k, _ in map_key(key, layout, base)]
-        fused_keys = [f"model.{k}" for k, _ in map_key(
-            key, layout, Choice(frozenset([hit[0].path]), base.mtp_legacy))]
+        fused_keys = [
+            f"model.{k}"
+            for k, _ in map_key(key, layout, Choice(frozenset([hit[0].path]), base.mtp_legacy))
+        ]
         if not all(k in md for k in split_keys) and all(k in md for k in fused_keys):
             fused_legacy.add(hit[0].path)
     return Choice(frozenset(fused_legacy), base.mtp_legacy)
@@ -90,20 +105,25 @@ def _check_shapes(state_dict: dict, prep: Preparation, md: Mapping) -> None:
                 size = getattr(md.get(flat), "size", None)
                 if size is None or not hasattr(item, "shape") or tuple(size) == tuple(item.shape):
                     continue
-                what = {"q": f"q section ({Q_SECTION}, q_lora_rank={module.q_rows})",
-                        "kv": f"kv section ({KV_SECTION}, kv_lora_rank + qk_pos_emb_head_dim="
-                              f"{module.kv_rows})"}.get(part, "entry")
+                what = {
+                    "q": f"q section ({Q_SECTION}, q_lora_rank={module.q_rows})",
+                    "kv": f"kv section ({KV_SECTION}, kv_lora_rank + qk_pos_emb_head_dim="
+                    f"{module.kv_rows})",
+                }.get(part, "entry")
                 problems[path[0]].append(
                     f"checkpoint key '{flat}' has shape {tuple(size)} but the model's {what} of "
-                    f"'{join_key(module.path, FUSED)}' has shape {tuple(item.shape)}")
+                    f"'{join_key(module.path, FUSED)}' has shape {tuple(item.shape)}"
+                )
     named = problems["model"] or problems["optimizer"]
     if named:
         extra = len(problems["optimizer"]) if problems["model"] else 0
         raise ValueError(
             "fsdp_dtensor checkpoint does not match the model's fused MLA down projection "
             "(written with another q_lora_rank / kv_lora_rank / qk_pos_emb_head_dim or hidden "
-            "size?): " + "; ".join(sorted(named))
-            + (f"; and {extra} optimizer-state entries of these sections" if extra else ""))
+            "size?): "
+            + "; ".join(sorted(named))
+            + (f"; and {extra} optimizer-state entries of these sections" if extra else "")
+        )
 
 
 def resolve_layout(state_dict: dict, metadata) -> Choice | None:
@@ -127,7 +147,10 @@ def resolve_layout(state_dict: dict, metadata) -> Choice | None:
             logger.warning(
                 "fsdp_dtensor checkpoint written by megatron-core <= 0.19.2 without the fix: "
                 "loading fused MLA down projections of %s and MTP layers %s under their legacy "
-                "names", sorted(choice.fused_legacy) or "none", sorted(choice.mtp_legacy) or "none")
+                "names",
+                sorted(choice.fused_legacy) or "none",
+                sorted(choice.mtp_legacy) or "none",
+            )
     _check_shapes(state_dict, prep, md)
     return choice
 
@@ -178,8 +201,10 @@ class LegacyPlannerFix(Fix):
     """Part of ``fsdp_dtensor``: replaces ``checkpointing.default_planner``."""
 
     name = "fsdp_dtensor.legacy_planner"
-    title = ("fsdp_dtensor: checkpoints written by the unfixed 0.17-0.19.2 code (fused / "
-             "mtp_model_layer keys) still load; MLA section shape mismatches are named")
+    title = (
+        "fsdp_dtensor: checkpoints written by the unfixed 0.17-0.19.2 code (fused / "
+        "mtp_model_layer keys) still load; MLA section shape mismatches are named"
+    )
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
     supported = "==0.19.2"
@@ -191,13 +216,14 @@ class LegacyPlannerFix(Fix):
         return upstream_handles_layout()
 
     def install(self, patcher: Patcher) -> None:
+        from megatron.training import checkpointing
         from torch.distributed.checkpoint import default_planner
 
-        from megatron.training import checkpointing
-
         patcher.replace(
-            checkpointing, "default_planner",
+            checkpointing,
+            "default_planner",
             _PlannerNamespace(default_planner, _make_load_planner_class()),
             "with the layout fix, fsdp_dtensor checkpoints written by the unfixed 0.17-0.19.2 "
             "code (fused linear_qkv_down_proj / mtp_model_layer keys) would no longer load; the "
-            "load planner now requests the layout the checkpoint's metadata shows")
+            "load planner now requests the layout the checkpoint's metadata shows",
+        )

@@ -44,7 +44,10 @@ def module_calls(module: ModuleType, name: str) -> bool:
     the global ``name``, i.e. upstream's own code path uses it."""
     for value in list(vars(module).values()):
         fn = upstream_of(value)
-        if (inspect.isfunction(fn) and fn.__module__ == module.__name__
-                and name in _names(fn.__code__)):
+        if (
+            inspect.isfunction(fn)
+            and fn.__module__ == module.__name__
+            and name in _names(fn.__code__)
+        ):
             return True
     return False

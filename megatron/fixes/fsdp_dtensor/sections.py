@@ -67,8 +67,14 @@ class MlaSectionSizes:
         return slice(0, q), slice(q, q + self.kv_rows_local * row_numel)
 
 
-def mla_section_sizes(q_lora_rank: int, kv_lora_rank: int, qk_pos_emb_head_dim: int,
-                      fused_rows: int, tp_parts: int = 1, where: str = FUSED) -> MlaSectionSizes:
+def mla_section_sizes(
+    q_lora_rank: int,
+    kv_lora_rank: int,
+    qk_pos_emb_head_dim: int,
+    fused_rows: int,
+    tp_parts: int = 1,
+    where: str = FUSED,
+) -> MlaSectionSizes:
     """Section sizes of a fused down projection, checked against its weight.
 
     Args:
@@ -84,16 +90,19 @@ def mla_section_sizes(q_lora_rank: int, kv_lora_rank: int, qk_pos_emb_head_dim: 
     if fused_rows != q + kv:
         raise ValueError(
             f"{where}: fused MLA down projection has {fused_rows} rows, expected q_lora_rank "
-            f"({q}) + kv_lora_rank + qk_pos_emb_head_dim ({kv}) = {q + kv}")
+            f"({q}) + kv_lora_rank + qk_pos_emb_head_dim ({kv}) = {q + kv}"
+        )
     if q % tp_parts or kv % tp_parts:
         raise ValueError(
             f"{where}: q section ({q} rows) and kv section ({kv} rows) must both divide by the "
-            f"tensor-parallel size {tp_parts}")
+            f"tensor-parallel size {tp_parts}"
+        )
     return MlaSectionSizes(q, kv, tp_parts)
 
 
-def section_view(local: torch.Tensor, fsdp_slice: slice, section: slice,
-                 row_shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+def section_view(
+    local: torch.Tensor, fsdp_slice: slice, section: slice, row_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, int]:
     """This rank's part of one section, as a view into its FSDP shard.
 
     Args:
@@ -114,7 +123,8 @@ def section_view(local: torch.Tensor, fsdp_slice: slice, section: slice,
     if local.numel() != fsdp_slice.stop - fsdp_slice.start:
         raise ValueError(
             f"local shard has {local.numel()} elements but megatron_fsdp_slice {fsdp_slice} "
-            f"spans {fsdp_slice.stop - fsdp_slice.start}")
+            f"spans {fsdp_slice.stop - fsdp_slice.start}"
+        )
     flat = local.view(-1)
     inter = intersect(fsdp_slice, section)
     lo, hi = inter.start - fsdp_slice.start, inter.stop - fsdp_slice.start
@@ -123,7 +133,8 @@ def section_view(local: torch.Tensor, fsdp_slice: slice, section: slice,
     if (hi - lo) % row_numel or (inter.start - section.start) % row_numel:
         raise ValueError(
             f"FSDP shard {fsdp_slice} does not hold whole rows ({row_numel} elements) of section "
-            f"{section}")
+            f"{section}"
+        )
     return flat[lo:hi].view(-1, *row_shape), (inter.start - section.start) // row_numel
 
 
@@ -158,7 +169,10 @@ def _copy_tp_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _attach_chunk(dtensor, offsets: tuple[int, ...]) -> None:
     """Give a DTensor with an uneven local shard its DCP chunk metadata (computed locally)."""
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, MetadataIndex, TensorProperties)
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     local = dtensor._local_tensor
@@ -174,13 +188,17 @@ def _attach_chunk(dtensor, offsets: tuple[int, ...]) -> None:
         data = tensor.to_local()
         if data.numel() == 0:
             return []
-        return [WriteItem(
-            type=WriteItemType.SHARD,
-            index=MetadataIndex(fqn, chunk.offsets),
-            tensor_data=TensorWriteData(chunk=chunk,
-                                        properties=TensorProperties.create_from_tensor(data),
-                                        size=tensor.size()),
-        )]
+        return [
+            WriteItem(
+                type=WriteItemType.SHARD,
+                index=MetadataIndex(fqn, chunk.offsets),
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(data),
+                    size=tensor.size(),
+                ),
+            )
+        ]
 
     local.__create_chunk_list__ = create_chunk_list
     local.__create_write_items__ = create_write_items
@@ -204,12 +222,13 @@ def split_fused(value, module: MlaModule, key: str = "") -> dict[str, Any]:
         ValueError: shapes inconsistent with the MLA config, TP split along dim != 0, shard not
             row aligned.
     """
-    from torch.distributed.tensor import DTensor
-
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
-        make_fsdp_dtensor)
+        make_fsdp_dtensor,
+    )
     from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import (
-        get_mcore_tensor_parallel_partition_dim)
+        get_mcore_tensor_parallel_partition_dim,
+    )
+    from torch.distributed.tensor import DTensor
 
     where = key or join_key(module.path, FUSED, "weight")
     param = module.weight
@@ -218,17 +237,23 @@ def split_fused(value, module: MlaModule, key: str = "") -> dict[str, Any]:
     fsdp_slice = getattr(param, "megatron_fsdp_slice", None)
     dist_index = getattr(param, "megatron_fsdp_dist_index", None)
     if fsdp_slice is None or dist_index is None:
-        raise TypeError(f"{where}: the live fused weight carries no megatron_fsdp_slice / "
-                        "megatron_fsdp_dist_index (is the model wrapped by Megatron-FSDP?)")
+        raise TypeError(
+            f"{where}: the live fused weight carries no megatron_fsdp_slice / "
+            "megatron_fsdp_dist_index (is the model wrapped by Megatron-FSDP?)"
+        )
     if tuple(value.shape) != tuple(param.shape):
-        raise ValueError(f"{where}: shape {tuple(value.shape)} differs from the fused weight's "
-                         f"{tuple(param.shape)}")
+        raise ValueError(
+            f"{where}: shape {tuple(value.shape)} differs from the fused weight's "
+            f"{tuple(param.shape)}"
+        )
     tp_mesh = dist_index.get_submesh(dist_index.tp_dim) if dist_index.tp_dim else None
     tp_size = tp_mesh.mesh.numel() if tp_mesh is not None else 1
     tp_dim = get_mcore_tensor_parallel_partition_dim(param)
     if tp_dim not in (None, 0):
-        raise ValueError(f"{where}: tensor-parallel partition dim {tp_dim} is not supported "
-                         "(the fused down projection is column parallel)")
+        raise ValueError(
+            f"{where}: tensor-parallel partition dim {tp_dim} is not supported "
+            "(the fused down projection is column parallel)"
+        )
     tp_parts = tp_size if (tp_dim == 0 and tp_size > 1) else 1
     tp_rank = tp_mesh.get_local_rank() if tp_parts > 1 else 0
     # module.kv_rows already counts qk_pos_emb_head_dim
@@ -236,14 +261,22 @@ def split_fused(value, module: MlaModule, key: str = "") -> dict[str, Any]:
     row_shape = tuple(value.shape[1:])
     ranges = sizes.element_ranges(math.prod(row_shape))
     out = {}
-    for part, section, rows_local in (("q", ranges[0], sizes.q_rows_local),
-                                      ("kv", ranges[1], sizes.kv_rows_local)):
+    for part, section, rows_local in (
+        ("q", ranges[0], sizes.q_rows_local),
+        ("kv", ranges[1], sizes.kv_rows_local),
+    ):
         view, first_row = section_view(value.to_local(), fsdp_slice, section, row_shape)
         meta = torch.empty((rows_local, *row_shape), device="meta")
         _copy_tp_attributes(meta, param)
-        dt = make_fsdp_dtensor(view, meta, dist_index=dist_index, is_sharded_param=True,
-                               is_expert_param=False, run_check=False,
-                               update_uneven_dtensor_chunk_meta=False)
+        dt = make_fsdp_dtensor(
+            view,
+            meta,
+            dist_index=dist_index,
+            is_sharded_param=True,
+            is_expert_param=False,
+            run_check=False,
+            update_uneven_dtensor_chunk_meta=False,
+        )
         first = tp_rank * rows_local + min(first_row, rows_local)
         _attach_chunk(dt, (first,) + (0,) * len(row_shape))
         out[part] = dt

@@ -23,8 +23,14 @@ from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.integrity.collective import RankFailures, agree_on_failures
 
 STRICTNESS_MODES = (
-    "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
-    "return_unexpected", "return_all", "ignore_all",
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
 )
 _RAISE_MODES = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
 _LOG_MODES = ("log_unexpected", "log_all")
@@ -82,9 +88,14 @@ def __getattr__(name: str) -> Any:  # ``strictness.PartialLoadError`` (and pickl
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def handle_unexpected_keys(unexpected: Iterable[str], strictness: str = "assume_ok_unexpected",
-                           finetune: bool = False, *, sync: bool = True,
-                           checkpoint_path: str | None = None) -> set[str]:
+def handle_unexpected_keys(
+    unexpected: Iterable[str],
+    strictness: str = "assume_ok_unexpected",
+    finetune: bool = False,
+    *,
+    sync: bool = True,
+    checkpoint_path: str | None = None,
+) -> set[str]:
     """Apply ``--dist-ckpt-strictness`` to a partial ``fsdp_dtensor`` load.
 
     Only 'unexpected' keys exist here (requested model weights the checkpoint lacks), so the
@@ -105,14 +116,20 @@ def handle_unexpected_keys(unexpected: Iterable[str], strictness: str = "assume_
     mode = getattr(strictness, "value", strictness) or "assume_ok_unexpected"
     if mode not in STRICTNESS_MODES:
         raise ValueError(
-            f"unknown --dist-ckpt-strictness {strictness!r}; one of {STRICTNESS_MODES}")
+            f"unknown --dist-ckpt-strictness {strictness!r}; one of {STRICTNESS_MODES}"
+        )
     unexpected = set(unexpected)
     if finetune or mode == "ignore_all":
         return set()
     if mode in _RAISE_MODES:
-        mine = ([f"{len(unexpected)} model weight(s) requested here are not in the checkpoint "
-                 f"and would keep their initial values: {_describe(unexpected)}"]
-                if unexpected else [])
+        mine = (
+            [
+                f"{len(unexpected)} model weight(s) requested here are not in the checkpoint "
+                f"and would keep their initial values: {_describe(unexpected)}"
+            ]
+            if unexpected
+            else []
+        )
         failures = agree_on_failures(mine) if sync else ({0: mine} if mine else {})
         if failures:
             here = mine[0] if mine else "no weights are missing on this rank"
@@ -121,19 +138,28 @@ def handle_unexpected_keys(unexpected: Iterable[str], strictness: str = "assume_
                 f"fsdp_dtensor partial load{of} (--no-strict-fsdp-dtensor-load): {here}. Ranks "
                 f"with missing weights: {sorted(failures)}. --dist-ckpt-strictness={mode}; use "
                 "log_unexpected, return_unexpected or ignore_all to load anyway, or --finetune.",
-                failures)
+                failures,
+            )
         return set()
     if mode in _LOG_MODES and unexpected:
         logger.warning(
             "fsdp_dtensor partial load: %d model weight(s) are not in the checkpoint and keep "
-            "their initial values: %s", len(unexpected), _describe(unexpected))
+            "their initial values: %s",
+            len(unexpected),
+            _describe(unexpected),
+        )
     return unexpected
 
 
-def validate_fsdp_dtensor_model_load(state_dict_metadata, load_state_dict: Mapping,
-                                     checkpoint_path: str | None = None,
-                                     strict: str = "assume_ok_unexpected", *,
-                                     finetune: bool = False, sync: bool = True) -> set[str]:
+def validate_fsdp_dtensor_model_load(
+    state_dict_metadata,
+    load_state_dict: Mapping,
+    checkpoint_path: str | None = None,
+    strict: str = "assume_ok_unexpected",
+    *,
+    finetune: bool = False,
+    sync: bool = True,
+) -> set[str]:
     """Backport of upstream's function of this name (Megatron-LM PR 6271): the model weights this
     rank requests that the checkpoint lacks (:func:`unexpected_model_keys`), handled per
     ``strict`` (``--dist-ckpt-strictness``) by :func:`handle_unexpected_keys`; a collective when
@@ -144,8 +170,13 @@ def validate_fsdp_dtensor_model_load(state_dict_metadata, load_state_dict: Mappi
         load_state_dict: the state dict about to be loaded (``{'model': ..., ...}``).
         checkpoint_path: named in the error message when given.
     """
-    return handle_unexpected_keys(unexpected_model_keys(load_state_dict, state_dict_metadata),
-                                  strict, finetune, sync=sync, checkpoint_path=checkpoint_path)
+    return handle_unexpected_keys(
+        unexpected_model_keys(load_state_dict, state_dict_metadata),
+        strict,
+        finetune,
+        sync=sync,
+        checkpoint_path=checkpoint_path,
+    )
 
 
 def upstream_validates_partial_loads() -> bool:
@@ -157,7 +188,6 @@ def upstream_validates_partial_loads() -> bool:
         return False
     try:
         import torch
-
         from megatron.core.dist_checkpointing.core import CheckpointingException
         from megatron.training import checkpointing
     except ImportError:
@@ -165,8 +195,9 @@ def upstream_validates_partial_loads() -> bool:
     if not module_calls(checkpointing, _VALIDATE):
         return False
     try:
-        validate({}, {"model": {"w": torch.zeros(1)}}, "capability-probe",
-                 strict="assume_ok_unexpected")
+        validate(
+            {}, {"model": {"w": torch.zeros(1)}}, "capability-probe", strict="assume_ok_unexpected"
+        )
     except CheckpointingException:
         return True
     except Exception:
@@ -196,8 +227,10 @@ class StrictnessFix(Fix):
     """
 
     name = "fsdp_dtensor.strictness"
-    title = ("fsdp_dtensor: partial loads (--no-strict-fsdp-dtensor-load) honour "
-             "--dist-ckpt-strictness instead of silently keeping initial weights")
+    title = (
+        "fsdp_dtensor: partial loads (--no-strict-fsdp-dtensor-load) honour "
+        "--dist-ckpt-strictness instead of silently keeping initial weights"
+    )
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
     supported = "==0.19.2"
@@ -224,13 +257,20 @@ class StrictnessFix(Fix):
             resolve_layout(load_state_dict, state_dict_metadata)
             upstream(state_dict_metadata, load_state_dict, *args, **kwargs)
             margs = _load_args(load_state_dict)
-            fix.last_unexpected_keys = frozenset(validate_fsdp_dtensor_model_load(
-                state_dict_metadata, load_state_dict,
-                strict=getattr(margs, "dist_ckpt_strictness", None) or "assume_ok_unexpected",
-                finetune=bool(getattr(margs, "finetune", False))))
+            fix.last_unexpected_keys = frozenset(
+                validate_fsdp_dtensor_model_load(
+                    state_dict_metadata,
+                    load_state_dict,
+                    strict=getattr(margs, "dist_ckpt_strictness", None) or "assume_ok_unexpected",
+                    finetune=bool(getattr(margs, "finetune", False)),
+                )
+            )
 
         patcher.replace(
-            checkpointing, "print_diff_in_state_dicts", print_diff_in_state_dicts,
+            checkpointing,
+            "print_diff_in_state_dicts",
+            print_diff_in_state_dicts,
             "a partial load (--no-strict-fsdp-dtensor-load) silently kept model weights missing "
             "from the checkpoint at their initial values; it now raises on every rank by default "
-            "and honours --dist-ckpt-strictness")
+            "and honours --dist-ckpt-strictness",
+        )

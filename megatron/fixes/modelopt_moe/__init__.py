@@ -32,9 +32,17 @@ from megatron.fixes.modelopt_moe.legacy_layout import (
     plan_quantizer_layout,
 )
 
-__all__ = ["FIX", "ExpertCoords", "LayoutPlan", "ModeloptMoeFix", "QuantizerLayoutError",
-           "expert_quantizer_sharded_tensor", "plan_quantizer_layout",
-           "probe_upstream_expert_replica_ids", "regroup_expert_linear_entries"]
+__all__ = [
+    "FIX",
+    "ExpertCoords",
+    "LayoutPlan",
+    "ModeloptMoeFix",
+    "QuantizerLayoutError",
+    "expert_quantizer_sharded_tensor",
+    "plan_quantizer_layout",
+    "probe_upstream_expert_replica_ids",
+    "regroup_expert_linear_entries",
+]
 
 
 class ModeloptMoeFix(FixGroup):
@@ -45,8 +53,7 @@ class ModeloptMoeFix(FixGroup):
     upstream_refs = ("ModelOpt issue 2209",)
     package = "nvidia-modelopt"
     supported = "==0.47.0"
-    parts = (expert_sharding.FIX, legacy_layout.FIX, extra_state_cuda_sync.FIX,
-             modelopt_state.FIX)
+    parts = (expert_sharding.FIX, legacy_layout.FIX, extra_state_cuda_sync.FIX, modelopt_state.FIX)
 
 
 FIX = ModeloptMoeFix()

@@ -80,8 +80,11 @@ def _module_expert_groups(module: torch.nn.Module) -> tuple[Any, Any, Any]:
         return next((c for c in candidates if c is not None), None)
 
     pgc = getattr(module, "_pg_collection", None)
-    etp = first(getattr(module, "tp_group", None), getattr(module, "_tp_group", None),
-                getattr(pgc, "expt_tp", None))
+    etp = first(
+        getattr(module, "tp_group", None),
+        getattr(module, "_tp_group", None),
+        getattr(pgc, "expt_tp", None),
+    )
     if etp is None:
         etp = mcore_ps.get_expert_tensor_parallel_group(check_initialized=False)
     ep = getattr(pgc, "ep", None)
@@ -112,8 +115,9 @@ def is_expert_linear(module: torch.nn.Module) -> bool:
     return emp is not None and getattr(emp, "group", -1) != -1
 
 
-def expert_quantizer_sharded_tensor(sh_ten, split_axis: int | None, tp_rank: int, tp_size: int,
-                                    replica_rank: int):
+def expert_quantizer_sharded_tensor(
+    sh_ten, split_axis: int | None, tp_rank: int, tp_size: int, replica_rank: int
+):
     """Copy of a quantizer ``ShardedTensor`` sharded over the expert groups.
 
     The key, data (the live buffer or view upstream put there) and prepended axes (PP/EP offsets)
@@ -142,21 +146,29 @@ def expert_quantizer_sharded_tensor(sh_ten, split_axis: int | None, tp_rank: int
     if getattr(sh_ten, "flattened_range", None) is not None:
         return sh_ten
     p = sh_ten.prepend_axis_num
-    offsets = [(i, sh_ten.global_offset[i], sh_ten.axis_fragmentations[i]) for i in range(p)
-               if sh_ten.axis_fragmentations[i] > 1 or sh_ten.global_offset[i] > 0]
+    offsets = [
+        (i, sh_ten.global_offset[i], sh_ten.axis_fragmentations[i])
+        for i in range(p)
+        if sh_ten.axis_fragmentations[i] > 1 or sh_ten.global_offset[i] > 0
+    ]
     if split_axis is not None:
         offsets.append((split_axis + p, tp_rank, tp_size))
         replica_id = (0, 0, replica_rank)
     else:
         replica_id = (0, tp_rank, replica_rank)
     return ShardedTensor.from_rank_offsets(
-        sh_ten.key, sh_ten.data, *offsets, replica_id=replica_id, prepend_axis_num=p,
+        sh_ten.key,
+        sh_ten.data,
+        *offsets,
+        replica_id=replica_id,
+        prepend_axis_num=p,
         allow_shape_mismatch=sh_ten.allow_shape_mismatch,
     )
 
 
-def regroup_expert_linear_entries(sharded_state_dict: dict, prefix: str, axes: dict[str, int],
-                                  coords: ExpertCoords, grouped: bool) -> list[str]:
+def regroup_expert_linear_entries(
+    sharded_state_dict: dict, prefix: str, axes: dict[str, int], coords: ExpertCoords, grouped: bool
+) -> list[str]:
     """Rebuild, in place, the quantizer entries that an expert linear's upstream
     ``sharded_state_dict`` produced.
 
@@ -179,7 +191,7 @@ def regroup_expert_linear_entries(sharded_state_dict: dict, prefix: str, axes: d
     for k in list(sharded_state_dict):
         if not k.startswith(prefix):
             continue
-        local = k[len(prefix):]
+        local = k[len(prefix) :]
         v = sharded_state_dict[k]
         if not _QUANTIZER_LOCAL.match(local) or type(v) is not ShardedTensor:
             continue
@@ -188,7 +200,8 @@ def regroup_expert_linear_entries(sharded_state_dict: dict, prefix: str, axes: d
         if shared:
             replica_rank += coords.ep_rank * coords.edp_size
         sharded_state_dict[k] = expert_quantizer_sharded_tensor(
-            v, axes.get(local), coords.etp_rank, coords.etp_size, replica_rank)
+            v, axes.get(local), coords.etp_rank, coords.etp_size, replica_rank
+        )
         done.append(k)
     return done
 
@@ -205,7 +218,7 @@ def _split_axes(module, sharded_state_dict: dict, prefix: str, grouped: bool) ->
     for k, v in sharded_state_dict.items():
         if not k.startswith(prefix) or type(v) is not ShardedTensor:
             continue
-        local = k[len(prefix):]
+        local = k[len(prefix) :]
         if not _QUANTIZER_LOCAL.match(local):
             continue
         asked = local
@@ -272,8 +285,13 @@ def probe_upstream_expert_replica_ids(linear_sharded_state_dict: Callable) -> tu
     plugin = __import__(_PLUGIN, fromlist=["_MegatronColumnParallelLinear"])
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    dense_tp, dense_dp, etp, ep, edp = (_FakeGroup(0, 1), _FakeGroup(0, 1), _FakeGroup(1, 2),
-                                        _FakeGroup(0, 1), _FakeGroup(0, 1))
+    dense_tp, dense_dp, etp, ep, edp = (
+        _FakeGroup(0, 1),
+        _FakeGroup(0, 1),
+        _FakeGroup(1, 2),
+        _FakeGroup(0, 1),
+        _FakeGroup(0, 1),
+    )
     amax = torch.tensor([1.0])
 
     class _Base:
@@ -281,15 +299,18 @@ def probe_upstream_expert_replica_ids(linear_sharded_state_dict: Callable) -> tu
             return {}
 
     namespace = {
-        "is_expert": True, "tp_group": etp, "_tp_group": etp,
+        "is_expert": True,
+        "tp_group": etp,
+        "_tp_group": etp,
         "_pg_collection": types.SimpleNamespace(expt_tp=etp, ep=ep, expt_dp=edp),
         "config": types.SimpleNamespace(),
         "state_dict": lambda self, prefix="", keep_vars=False: {"weight_quantizer._amax": amax},
         "_get_shard_axis_dict": lambda self, sd: {},
         "_process_quantizer_amax": lambda self, k, v, out: out.__setitem__(k, v),
     }
-    probe_cls = type("_ModeloptMoeProbeLinear", (plugin._MegatronColumnParallelLinear, _Base),
-                     namespace)
+    probe_cls = type(
+        "_ModeloptMoeProbeLinear", (plugin._MegatronColumnParallelLinear, _Base), namespace
+    )
     probe = object.__new__(probe_cls)
     patches = [
         mock.patch.object(mcore_ps, "get_tensor_model_parallel_group", lambda *a, **k: dense_tp),
@@ -329,27 +350,32 @@ class ExpertQuantizerShardingFix(Fix):
         # upstream's own method, without overlay wrappers (each carries __wrapped__)
         fn = inspect.unwrap(plugin._MegatronParallelLinear.sharded_state_dict)
         replica_id = probe_upstream_expert_replica_ids(fn)
-        logger.info("expert sharding probe: expert quantizer replica_id on ETP rank 1 = %s",
-                    replica_id)
+        logger.info(
+            "expert sharding probe: expert quantizer replica_id on ETP rank 1 = %s", replica_id
+        )
         return replica_id is not None and len(replica_id) == 3 and replica_id[1] == 1
 
     def install(self, patcher: Patcher) -> None:
         plugin = __import__(_PLUGIN, fromlist=["_MegatronParallelLinear"])
         linear = plugin._MegatronParallelLinear
         patcher.replace(
-            linear, "sharded_state_dict",
+            linear,
+            "sharded_state_dict",
             _wrap_linear_sharded_state_dict(vars(linear)["sharded_state_dict"]),
             why="quantizer tensors of expert linears (sequential experts) were sharded over the "
-                "dense TP/DP groups instead of ETP/EDP, so sharding validation failed for "
-                "ETP > TP, for TP > ETP with EP > 1, and for channel-split amax with TP != ETP")
+            "dense TP/DP groups instead of ETP/EDP, so sharding validation failed for "
+            "ETP > TP, for TP > ETP with EP > 1, and for channel-split amax with TP != ETP",
+        )
         grouped = getattr(plugin, "_QuantMegatronTEGroupedLinear", None)  # with TE only
         if grouped is not None:
             patcher.replace(
-                grouped, "sharded_state_dict",
+                grouped,
+                "sharded_state_dict",
                 _wrap_grouped_sharded_state_dict(vars(grouped)["sharded_state_dict"]),
                 why="TE grouped experts' per-expert weight_quantizer.{i} and shared "
-                    "input_quantizer tensors got dense-TP replica ids and offsets, so sharding "
-                    "validation failed as for sequential experts")
+                "input_quantizer tensors got dense-TP replica ids and offsets, so sharding "
+                "validation failed as for sequential experts",
+            )
 
 
 FIX = ExpertQuantizerShardingFix()

@@ -60,8 +60,13 @@ class _TorchWithoutCudaSync:
 
 def _with_torch(fn: Callable, torch_proxy: Any) -> Callable:
     """The same code object as ``fn`` with the global name ``torch`` resolved to ``torch_proxy``."""
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "torch": torch_proxy}, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
+    return types.FunctionType(
+        fn.__code__,
+        {**fn.__globals__, "torch": torch_proxy},
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
+    )
 
 
 def _wrap_get_extra_state(original: Callable) -> Callable:
@@ -87,7 +92,8 @@ def probe_upstream_syncs_without_cuda(get_extra_state: Callable) -> bool | None:
         serialises the state without it, None if the probe cannot run.
     """
     module = types.SimpleNamespace(
-        modelopt_get_extra_state_callbacks=[lambda m: {"probe": {"num_bits": 8}}])
+        modelopt_get_extra_state_callbacks=[lambda m: {"probe": {"num_bits": 8}}]
+    )
     try:
         state = _with_torch(get_extra_state, _TorchWithoutCudaSync(sync_raises=True))(module)
     except _NoCudaError:
@@ -103,8 +109,9 @@ class ExtraStateCudaSyncFix(Fix):
 
     name = "modelopt_moe.extra_state_cuda_sync"
     title = "ModelOpt extra state serialised without torch.cuda.synchronize() when CUDA is absent"
-    upstream_refs = ("nvidia-modelopt _modelopt_get_extra_state: unconditional "
-                     "torch.cuda.synchronize()",)
+    upstream_refs = (
+        "nvidia-modelopt _modelopt_get_extra_state: unconditional torch.cuda.synchronize()",
+    )
     package = "nvidia-modelopt"
     supported = "==0.47.0"
 
@@ -121,10 +128,12 @@ class ExtraStateCudaSyncFix(Fix):
     def install(self, patcher: Patcher) -> None:
         opt_plugin = __import__(_OPT_PLUGIN, fromlist=["_modelopt_get_extra_state"])
         patcher.replace(
-            opt_plugin, "_modelopt_get_extra_state",
+            opt_plugin,
+            "_modelopt_get_extra_state",
             _wrap_get_extra_state(opt_plugin._modelopt_get_extra_state),
             why="it called torch.cuda.synchronize() unconditionally, so state_dict() of any "
-                "quantized module failed on a machine without CUDA")
+            "quantized module failed on a machine without CUDA",
+        )
 
 
 FIX = ExtraStateCudaSyncFix()

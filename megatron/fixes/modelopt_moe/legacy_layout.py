@@ -128,8 +128,9 @@ class LayoutPlan:
     remaps: dict[str, _Remap] = field(default_factory=dict)
 
 
-def plan_quantizer_layout(sharded_state_dict: Any, ckpt: dict[str, tuple[tuple, torch.dtype]],
-                          checkpoint_dir: Any = "") -> LayoutPlan:
+def plan_quantizer_layout(
+    sharded_state_dict: Any, ckpt: dict[str, tuple[tuple, torch.dtype]], checkpoint_dir: Any = ""
+) -> LayoutPlan:
     """Compare the expert quantizer tensors a rank requests with what the checkpoint holds.
 
     Pure (no collectives). Requested keys that the checkpoint holds with the same global shape need
@@ -173,7 +174,8 @@ def plan_quantizer_layout(sharded_state_dict: Any, ckpt: dict[str, tuple[tuple, 
             if have != want and not st.allow_shape_mismatch:
                 plan.errors.append(
                     f"model expects {_describe(key, want)}, checkpoint {checkpoint_dir} holds "
-                    f"{_describe(key, have)}")
+                    f"{_describe(key, have)}"
+                )
             continue
         if pe:
             head, tail = pe["head"], pe["tail"]
@@ -188,14 +190,16 @@ def plan_quantizer_layout(sharded_state_dict: Any, ckpt: dict[str, tuple[tuple, 
                 else:
                     plan.errors.append(
                         f"model expects {_describe(key, want)}, checkpoint {checkpoint_dir} holds "
-                        f"{_describe(shared_key, have)}")
+                        f"{_describe(shared_key, have)}"
+                    )
                 continue
             experts = ckpt_experts(head, tail)
             if experts:
                 plan.errors.append(
                     f"model expects {_describe(key, want)}, checkpoint "
                     f"{checkpoint_dir} holds the per-expert layout for experts "
-                    f"{_ranges(experts)} only ('{head}<e>.{tail}')")
+                    f"{_ranges(experts)} only ('{head}<e>.{tail}')"
+                )
         else:
             head, tail = sh["head"], sh["tail"]
             experts = ckpt_experts(head, tail)
@@ -204,7 +208,8 @@ def plan_quantizer_layout(sharded_state_dict: Any, ckpt: dict[str, tuple[tuple, 
                 plan.errors.append(
                     f"model expects {_describe(key, want)}, checkpoint {checkpoint_dir} holds the "
                     f"per-expert layout ('{head}<e>.{tail}', experts {_ranges(experts)}, global "
-                    f"shape {have} each); one value for all experts cannot be chosen")
+                    f"shape {have} each); one value for all experts cannot be chosen"
+                )
     return plan
 
 
@@ -222,20 +227,25 @@ def _agree(plan: LayoutPlan, process_group: Any, checkpoint_dir: Any) -> dict[st
     """
     limit = collective.MAX_PER_RANK
     gathered = collective.all_gather_object(
-        (plan.errors[:limit], len(plan.errors), sorted(plan.remaps)), process_group)
+        (plan.errors[:limit], len(plan.errors), sorted(plan.remaps)), process_group
+    )
     ranks: list[int] = list(range(len(gathered)))
     if process_group is not None and torch.distributed.is_initialized():
         ranks = torch.distributed.get_process_group_ranks(process_group)
     failures = {}
     for rank, (errs, count, _) in zip(ranks, gathered):
         if count:
-            failures[rank] = list(errs) + ([f"... and {count - len(errs)} more"]
-                                           if count > len(errs) else [])
+            failures[rank] = list(errs) + (
+                [f"... and {count - len(errs)} more"] if count > len(errs) else []
+            )
     if failures:
         total = sum(count for _, count, _ in gathered)
         raise QuantizerLayoutError.from_failures(
             f"Cannot map the ModelOpt quantizer state of checkpoint {checkpoint_dir} onto this "
-            f"model ({total} tensor request(s) on all ranks):", failures, limit=limit + 1)
+            f"model ({total} tensor request(s) on all ranks):",
+            failures,
+            limit=limit + 1,
+        )
     first_rank: dict[str, int] = {}
     for rank, (_, _, keys) in enumerate(gathered):
         for k in keys:
@@ -261,10 +271,14 @@ def _wrap_load(original: Callable) -> Callable:
         first_rank = _agree(plan, process_group, checkpoint_dir)
         if not plan.remaps:
             return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        rank = (torch.distributed.get_rank(process_group)
-                if torch.distributed.is_available() and torch.distributed.is_initialized() else 0)
-        return _load_with_remaps(original, plan, first_rank, rank, sharded_state_dict,
-                                 checkpoint_dir, args, kwargs)
+        rank = (
+            torch.distributed.get_rank(process_group)
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0
+        )
+        return _load_with_remaps(
+            original, plan, first_rank, rank, sharded_state_dict, checkpoint_dir, args, kwargs
+        )
 
     return load
 
@@ -272,8 +286,16 @@ def _wrap_load(original: Callable) -> Callable:
 _SYNTHETIC = "__modelopt_moe_shared_quantizer_state__"
 
 
-def _load_with_remaps(original, plan: LayoutPlan, first_rank: dict[str, int], rank: int,
-                      sharded_state_dict: dict, checkpoint_dir, args, kwargs):
+def _load_with_remaps(
+    original,
+    plan: LayoutPlan,
+    first_rank: dict[str, int],
+    rank: int,
+    sharded_state_dict: dict,
+    checkpoint_dir,
+    args,
+    kwargs,
+):
     """Load with each group of per-expert entries replaced by one request of the shared checkpoint
     tensor (whole tensor, main replica on the lowest requesting rank), then give every expert its
     part of it, in place (``ShardedTensor.data``) and in the returned state dict."""
@@ -281,11 +303,13 @@ def _load_with_remaps(original, plan: LayoutPlan, first_rank: dict[str, int], ra
 
     if not isinstance(sharded_state_dict, dict) or _SYNTHETIC in sharded_state_dict:
         raise QuantizerLayoutError(
-            f"cannot remap quantizer state of {checkpoint_dir} into a {type(sharded_state_dict)}")
+            f"cannot remap quantizer state of {checkpoint_dir} into a {type(sharded_state_dict)}"
+        )
     synthetic = {}
     for ckpt_key, remap in plan.remaps.items():
-        buf = torch.empty(remap.ckpt_shape, dtype=remap.ckpt_dtype,
-                          device=remap.entries[0][1].data.device)
+        buf = torch.empty(
+            remap.ckpt_shape, dtype=remap.ckpt_dtype, device=remap.entries[0][1].data.device
+        )
         replica = 0 if first_rank.get(ckpt_key) == rank else 1
         synthetic[ckpt_key] = ShardedTensor.from_rank_offsets(ckpt_key, buf, replica_id=replica)
         for path, st in remap.entries:
@@ -308,8 +332,9 @@ def _load_with_remaps(original, plan: LayoutPlan, first_rank: dict[str, int], ra
                 part = full
             else:
                 p = st.prepend_axis_num
-                part = full[tuple(slice(o, o + s)
-                                  for o, s in zip(st.global_offset[p:], st.local_shape))]
+                part = full[
+                    tuple(slice(o, o + s) for o, s in zip(st.global_offset[p:], st.local_shape))
+                ]
             with torch.no_grad():
                 st.data.copy_(part.to(st.data.dtype).reshape(st.data.shape))
             _set(loaded, path, st.data)
@@ -319,8 +344,13 @@ def _load_with_remaps(original, plan: LayoutPlan, first_rank: dict[str, int], ra
         "modelopt_moe: checkpoint %s holds %d expert quantizer tensor(s) as one tensor shared by "
         "all experts of a linear (the layout from before per-expert weight quantizers, e.g. '%s'); "
         "loaded into %d per-expert tensor(s) on this rank, each expert taking the shared value "
-        "(e.g. '%s').", checkpoint_dir, len(plan.remaps), example.ckpt_key, n,
-        example.entries[0][1].key)
+        "(e.g. '%s').",
+        checkpoint_dir,
+        len(plan.remaps),
+        example.ckpt_key,
+        n,
+        example.entries[0][1].key,
+    )
     return loaded
 
 
@@ -346,15 +376,19 @@ def probe_upstream_maps_legacy_layout(load: Callable) -> bool | None:
     shared = f"{_PROBE_PREFIX}linear_fc1.weight_quantizer._amax"
     per_expert = f"{_PROBE_PREFIX}0.linear_fc1.weight_quantizer._amax"
     try:
-        with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), \
-                private_process_group():
+        with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), private_process_group():
             warnings.simplefilter("ignore")
             common = io.BytesIO()  # megatron's common state: a ShardedObject of [{}]
             torch.save([{}], common)
             common.seek(0)
-            dcp.save({shared: torch.tensor([2.0]),
-                      ShardedObject("common_state", None, (1,), (0,)).unique_key: common},
-                     storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+            dcp.save(
+                {
+                    shared: torch.tensor([2.0]),
+                    ShardedObject("common_state", None, (1,), (0,)).unique_key: common,
+                },
+                storage_writer=dcp.FileSystemWriter(d),
+                no_dist=True,
+            )
             save_config(CheckpointingConfig("torch_dist", 1), d)
             want = ShardedTensor.from_rank_offsets(per_expert, torch.zeros(1), replica_id=0)
             try:
@@ -375,8 +409,10 @@ class LegacyQuantizerLayoutFix(Fix):
 
     name = "modelopt_moe.legacy_layout"
     title = "Pre-per-expert ModelOpt quantizer checkpoints mapped onto per-expert models on load"
-    upstream_refs = ("ModelOpt issue 2209",
-                     "megatron-core dist_checkpointing.load resolves requests by exact key")
+    upstream_refs = (
+        "ModelOpt issue 2209",
+        "megatron-core dist_checkpointing.load resolves requests by exact key",
+    )
     package = "megatron-core"
     supported = "==0.19.2"
 
@@ -396,8 +432,10 @@ class LegacyQuantizerLayoutFix(Fix):
 
         original = serialization.load
         wrapped = _wrap_load(original)
-        why = ("checkpoints from before per-expert weight quantizers could not be loaded into "
-               "per-expert models, and unmappable quantizer layouts failed rank-locally")
+        why = (
+            "checkpoints from before per-expert weight quantizers could not be loaded into "
+            "per-expert models, and unmappable quantizer layouts failed rank-locally"
+        )
         patcher.replace(serialization, "load", wrapped, why=why)
         if getattr(dist_ckpt, "load", None) is original:  # the package's re-export
             patcher.replace(dist_ckpt, "load", wrapped, why=why)

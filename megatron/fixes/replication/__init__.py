@@ -14,6 +14,7 @@ Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; its ``_
 ``_cpu_checksum`` are the fault and timing hooks), ``replicate``, ``retrieve``, ``strategy``,
 ``probe``. Design: docs/fixes/replication.md.
 """
+
 from __future__ import annotations
 
 from megatron.fixes.base import Fix
@@ -72,8 +73,9 @@ class ReplicationFix(Fix):
     """Installs :class:`FixedCliqueReplicationStrategy` in place of NVRx's class and its methods."""
 
     name = "replication"
-    title = ("Local checkpoint replication: faithful, checksummed replicas; "
-             "recovery over any backend")
+    title = (
+        "Local checkpoint replication: faithful, checksummed replicas; recovery over any backend"
+    )
     upstream_refs = ("NVRx issue 349", "Megatron-LM issue 5281")
     package = "nvidia-resiliency-ext"
     supported = "==0.7.0"
@@ -88,17 +90,23 @@ class ReplicationFix(Fix):
         if _strategies is None:  # pragma: no cover - apply() reports NOT_APPLICABLE first
             raise RuntimeError("nvidia_resiliency_ext is not importable")
         patcher.replace(
-            _UpstreamClique, "replicate", fixed_replicate,
+            _UpstreamClique,
+            "replicate",
+            fixed_replicate,
             "a strategy built from the class bound before apply() stops writing NaN replicas of "
             "Transformer Engine quantized weights and wrong replicas of non-dense views",
         )
         patcher.replace(
-            _UpstreamClique, "retrieve_execute", fixed_retrieve_execute,
+            _UpstreamClique,
+            "retrieve_execute",
+            fixed_retrieve_execute,
             "peer recovery verifies checksums and runs over gloo/CPU as well as NCCL (upstream "
             "hardcodes .cuda() in GroupWrapper.isend_state_dict / irecv_state_dict)",
         )
         patcher.replace(
-            _strategies, "CliqueReplicationStrategy", FixedCliqueReplicationStrategy,
+            _strategies,
+            "CliqueReplicationStrategy",
+            FixedCliqueReplicationStrategy,
             "pretrain() and from_replication_params (cls(...)) build the fixed subclass, whose "
             "replicas are dequantized, dense and checksum-verified instead of NaN for quantized "
             "weights",

@@ -73,11 +73,15 @@ def check_tensor(key: str, t: Any) -> Optional[str]:
             "carried faithfully"
         )
     if t.layout is not torch.strided:
-        return (f"tensor {_describe(key)} has layout {t.layout}; only dense (strided) tensors "
-                "are supported")
+        return (
+            f"tensor {_describe(key)} has layout {t.layout}; only dense (strided) tensors "
+            "are supported"
+        )
     if t.is_quantized:
-        return (f"tensor {_describe(key)} is a PyTorch-native quantized tensor ({t.dtype}); "
-                "not supported")
+        return (
+            f"tensor {_describe(key)} is a PyTorch-native quantized tensor ({t.dtype}); "
+            "not supported"
+        )
     return None
 
 
@@ -166,8 +170,9 @@ class Owned:
     dequantized: collections.Counter = field(default_factory=collections.Counter)
 
 
-def _convert_owned(key: str, t: Any, place: Optional[torch.device],
-                   out: Owned) -> Optional[torch.Tensor]:
+def _convert_owned(
+    key: str, t: Any, place: Optional[torch.device], out: Owned
+) -> Optional[torch.Tensor]:
     """What ``t`` is stored as, or None (after appending to ``out.errors``) when it cannot be.
     Once a tensor is refused, the rest are only checked (nothing more is converted)."""
     if type(t) in _PLAIN_TYPES and t.is_contiguous() and (place is None or t.device == place):
@@ -191,8 +196,9 @@ def _convert_owned(key: str, t: Any, place: Optional[torch.device],
     return s
 
 
-def prepare_owned(state_dict: Any, originals: List[Any], place: Optional[torch.device],
-                  device: torch.device) -> Owned:
+def prepare_owned(
+    state_dict: Any, originals: List[Any], place: Optional[torch.device], device: torch.device
+) -> Owned:
     """Check and convert a rank's tensors, one at a time (peak extra memory: one tensor).
 
     Args:
@@ -207,15 +213,17 @@ def prepare_owned(state_dict: Any, originals: List[Any], place: Optional[torch.d
         s = _convert_owned(key, t, place, out)
         if s is None or out.errors:
             continue
-        out.entries.append({
-            "index": i,
-            "key": key,
-            "global_offset": None if offset is None else list(offset),
-            "dtype": _dtype_name(s.dtype),
-            "shape": list(s.shape),
-            "nbytes": s.numel() * s.element_size(),
-            "checksum": None,  # filled in while the bytes are on the wire
-        })
+        out.entries.append(
+            {
+                "index": i,
+                "key": key,
+                "global_offset": None if offset is None else list(offset),
+                "dtype": _dtype_name(s.dtype),
+                "shape": list(s.shape),
+                "nbytes": s.numel() * s.element_size(),
+                "checksum": None,  # filled in while the bytes are on the wire
+            }
+        )
         out.stored.append(s)
         # A plain dense tensor already on the communication device is sent from its own memory
         # even when the stored copy went to another device (no copy back).

@@ -199,14 +199,19 @@ def _segments(
     return groups, dtypes, offsets, totals
 
 
-def _segment_views(flat: torch.Tensor, members: Sequence[int], entries: Sequence[Mapping],
-                   offsets: Sequence[int], out: List[Optional[torch.Tensor]]) -> None:
+def _segment_views(
+    flat: torch.Tensor,
+    members: Sequence[int],
+    entries: Sequence[Mapping],
+    offsets: Sequence[int],
+    out: List[Optional[torch.Tensor]],
+) -> None:
     """Put into ``out[i]``, for each tensor ``i`` of a segment, its view of the segment's flat
     buffer ``flat`` (of the segment's dtype), by the byte offsets of :func:`_segments`."""
     for i in members:
         e = entries[i]
         first = offsets[i] // flat.element_size()
-        out[i] = flat[first:first + math.prod(e["shape"])].view(e["shape"])
+        out[i] = flat[first : first + math.prod(e["shape"])].view(e["shape"])
 
 
 def _interleave(per_src: Sequence[List[_Message]]) -> List[_Message]:
@@ -231,8 +236,9 @@ class _Staging:
     def get(self, slot: int, size: int) -> torch.Tensor:
         buf = self.bufs[slot]
         if buf is None or buf.numel() < size:  # larger: a direct chunk that must be staged
-            buf = self.bufs[slot] = torch.empty(max(self.bucket_bytes, size), dtype=torch.uint8,
-                                                device=self.device)
+            buf = self.bufs[slot] = torch.empty(
+                max(self.bucket_bytes, size), dtype=torch.uint8, device=self.device
+            )
         return buf[:size]
 
 

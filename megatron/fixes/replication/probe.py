@@ -95,8 +95,9 @@ class _RecordingGroup:
         return [[t for t in tensors]]
 
 
-def upstream_handles_unfaithful_tensors(upstream_cls: Optional[type],
-                                        replicate: Optional[Callable]) -> bool:
+def upstream_handles_unfaithful_tensors(
+    upstream_cls: Optional[type], replicate: Optional[Callable]
+) -> bool:
     """Run ``replicate`` (upstream's, unbound) on an ``upstream_cls`` instance built without
     ``__init__``; True iff the transport got only plain, dense tensors with the right values."""
     if upstream_cls is None or replicate is None:

@@ -66,8 +66,9 @@ def fixed_replicate(self, local_ckpt, id_):
 
     hollows, ids = _exchange_metadata(group, local_ckpt, originals, owned, algorithm, id_)
     records = [ck.get_record(h) for h in hollows]
-    exchange = ReplicaExchange(group, device, transport_params(self, device), algorithm, target,
-                               owned, records)
+    exchange = ReplicaExchange(
+        group, device, transport_params(self, device), algorithm, target, owned, records
+    )
     results, sums = exchange.run()
 
     all_sums = group.all_gather_object(sums)
@@ -81,8 +82,9 @@ def fixed_replicate(self, local_ckpt, id_):
     return hollows, ids
 
 
-def _exchange_metadata(group: Any, local_ckpt: Any, originals: List[Any], owned: Owned,
-                       algorithm: str, id_: Any) -> Tuple[List[Any], List[Any]]:
+def _exchange_metadata(
+    group: Any, local_ckpt: Any, originals: List[Any], owned: Owned, algorithm: str, id_: Any
+) -> Tuple[List[Any], List[Any]]:
     """Collective: every rank's hollow state dict (with its record, checksums still ``None``) and
     id; raises :class:`UnsupportedTensorError` on every rank if any rank refused a tensor."""
     my_global = group.get_global_rank(group.my_group_rank)
@@ -93,18 +95,22 @@ def _exchange_metadata(group: Any, local_ckpt: Any, originals: List[Any], owned:
         gathered = group.all_gather_object((local_ckpt, owned.errors, id_))
     finally:
         ck.attach_record(local_ckpt, None)
-    failures = {group.get_global_rank(r): list(errs)
-                for r, (_, errs, _) in enumerate(gathered) if errs}
+    failures = {
+        group.get_global_rank(r): list(errs) for r, (_, errs, _) in enumerate(gathered) if errs
+    }
     if failures:
         local_ckpt.insert_tensors(originals)
         raise UnsupportedTensorError.from_failures(
             "local checkpoint replication refused before sending any data or writing any file "
-            f"(checkpoint id {id_}):", failures)
+            f"(checkpoint id {id_}):",
+            failures,
+        )
     return [g[0] for g in gathered], [g[2] for g in gathered]
 
 
-def _raise_on_mismatch(group: Any, records: Sequence[dict], all_sums: Sequence, id_: Any,
-                       restore) -> None:
+def _raise_on_mismatch(
+    group: Any, records: Sequence[dict], all_sums: Sequence, id_: Any, restore
+) -> None:
     """Compare every owner's checksums with every receiver's (the same on every rank); on any
     mismatch call ``restore`` and raise :class:`GroupChecksumMismatchError`."""
     world = len(records)
@@ -119,26 +125,38 @@ def _raise_on_mismatch(group: Any, records: Sequence[dict], all_sums: Sequence, 
                 if want == got:
                     continue
                 receiver = group.get_global_rank(recv)
-                msg = (f"key '{entry['key']}' (tensor #{i}) sent by rank "
-                       f"{group.get_global_rank(owner)}, received by rank {receiver}: checksum "
-                       f"mismatch (owner {want:#018x}, received {got:#018x})")
+                msg = (
+                    f"key '{entry['key']}' (tensor #{i}) sent by rank "
+                    f"{group.get_global_rank(owner)}, received by rank {receiver}: checksum "
+                    f"mismatch (owner {want:#018x}, received {got:#018x})"
+                )
                 failures.setdefault(receiver, []).append(msg)
                 lines.append("  " + msg)
     if lines:
         restore()
         raise GroupChecksumMismatchError(
             "local checkpoint replication: replica bytes differ from the owner's checksums "
-            f"(checkpoint id {id_}); nothing was written:\n" + "\n".join(lines), failures)
+            f"(checkpoint id {id_}); nothing was written:\n" + "\n".join(lines),
+            failures,
+        )
 
 
-def _log(id_: Any, group: Any, owned: Owned, my_record: dict, messages: int,
-         device: torch.device) -> None:
-    logger.debug("replicate %s: sent %d B in %d messages over %s",
-                 id_, sum(e["nbytes"] for e in my_record["entries"]), messages, device)
+def _log(
+    id_: Any, group: Any, owned: Owned, my_record: dict, messages: int, device: torch.device
+) -> None:
+    logger.debug(
+        "replicate %s: sent %d B in %d messages over %s",
+        id_,
+        sum(e["nbytes"] for e in my_record["entries"]),
+        messages,
+        device,
+    )
     if owned.dequantized:
         logger.info(
             "local checkpoint %s (rank %d): primary and replicas store %d quantized tensors "
-            "dequantized (%s)", id_, group.get_global_rank(group.my_group_rank),
+            "dequantized (%s)",
+            id_,
+            group.get_global_rank(group.my_group_rank),
             sum(owned.dequantized.values()),
             ", ".join(f"{n} x {k}" for k, n in sorted(owned.dequantized.items())),
         )

@@ -40,7 +40,8 @@ def _verify_state_dict(sd: Any, what: str) -> List[str]:
     if record is None:
         logger.warning(
             "%s has no checksum record (written without megatron.fixes.replication); "
-            "loading it unverified", what,
+            "loading it unverified",
+            what,
         )
         return []
     tensors = list(sd.tensors)
@@ -63,11 +64,11 @@ def _send_state_dict(self, sd: Any, dst: int, device: torch.device) -> None:
         for msg in _p2p_plan(prepared, params.bucket, params.direct_min):
             i, toff, length, _ = msg.pieces[0]
             if msg.direct and prepared[i].device == device:
-                buf = views[i][toff:toff + length]
+                buf = views[i][toff : toff + length]
             else:
                 buf = staging.get(0, msg.size)
                 for i, toff, length, moff in msg.pieces:
-                    buf[moff:moff + length].copy_(views[i][toff:toff + length])
+                    buf[moff : moff + length].copy_(views[i][toff : toff + length])
             dist.send(buf, dst, group=group.group)
     finally:
         sd.insert_tensors(tensors)
@@ -84,12 +85,12 @@ def _recv_state_dict(self, src: int, device: torch.device) -> Any:
     for msg in _p2p_plan(tensors, params.bucket, params.direct_min):
         i, toff, length, _ = msg.pieces[0]
         if msg.direct and tensors[i].device == device:
-            dist.recv(views[i][toff:toff + length], src, group=group.group)
+            dist.recv(views[i][toff : toff + length], src, group=group.group)
             continue
         buf = staging.get(0, msg.size)
         dist.recv(buf, src, group=group.group)
         for i, toff, length, moff in msg.pieces:
-            views[i][toff:toff + length].copy_(buf[moff:moff + length])
+            views[i][toff : toff + length].copy_(buf[moff : moff + length])
     return sd
 
 
@@ -134,7 +135,8 @@ def fixed_retrieve_execute(self, exchange_plan, my_data):
     raise_if_any_failed(
         _verify_loaded(exchange_plan, my_data, me),
         "local checkpoint load: a stored checkpoint does not match its checksums; it is not used:",
-        GroupChecksumMismatchError, group,
+        GroupChecksumMismatchError,
+        group,
     )
     recv_buf = {}
     received_errors: List[str] = []
@@ -146,13 +148,14 @@ def fixed_retrieve_execute(self, exchange_plan, my_data):
         elif entry.receiver == me:
             sd = _recv_state_dict(self, entry.sender, device)
             received_errors += _verify_state_dict(
-                sd, f"local checkpoint {entry.id_} sent by rank {entry.sender}, "
-                f"received by rank {me}"
+                sd,
+                f"local checkpoint {entry.id_} sent by rank {entry.sender}, received by rank {me}",
             )
             recv_buf[entry.id_] = sd
     raise_if_any_failed(
         received_errors,
         "local checkpoint load: a checkpoint received from a peer does not match its checksums:",
-        GroupChecksumMismatchError, group,
+        GroupChecksumMismatchError,
+        group,
     )
     return recv_buf

@@ -28,15 +28,21 @@ _UPSTREAM_REPLICATE = None if _UpstreamClique is None else _UpstreamClique.__dic
 
 def _validated_knobs(bucket_bytes, direct_min_bytes, pipeline_depth, checksum_algorithm):
     if checksum_algorithm is not None and checksum_algorithm not in ck.ALGORITHMS:
-        raise ValueError(f"checksum_algorithm must be one of {ck.ALGORITHMS} or None, "
-                         f"got {checksum_algorithm!r}")
-    for name, value in (("bucket_bytes", bucket_bytes), ("direct_min_bytes", direct_min_bytes),
-                        ("pipeline_depth", pipeline_depth)):
+        raise ValueError(
+            f"checksum_algorithm must be one of {ck.ALGORITHMS} or None, got {checksum_algorithm!r}"
+        )
+    for name, value in (
+        ("bucket_bytes", bucket_bytes),
+        ("direct_min_bytes", direct_min_bytes),
+        ("pipeline_depth", pipeline_depth),
+    ):
         if value is not None and int(value) <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    return (None if bucket_bytes is None else int(bucket_bytes),
-            None if direct_min_bytes is None else int(direct_min_bytes),
-            int(pipeline_depth))
+    return (
+        None if bucket_bytes is None else int(bucket_bytes),
+        None if direct_min_bytes is None else int(direct_min_bytes),
+        int(pipeline_depth),
+    )
 
 
 if _UpstreamClique is not None:
@@ -81,7 +87,8 @@ if _UpstreamClique is not None:
         ):
             _UpstreamClique.__init__(self, local_group, target_device=target_device)
             self.bucket_bytes, self.direct_min_bytes, self.pipeline_depth = _validated_knobs(
-                bucket_bytes, direct_min_bytes, pipeline_depth, checksum_algorithm)
+                bucket_bytes, direct_min_bytes, pipeline_depth, checksum_algorithm
+            )
             self.checksum_algorithm = checksum_algorithm
 
         replicate = fixed_replicate

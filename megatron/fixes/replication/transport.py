@@ -93,8 +93,16 @@ class ReplicaExchange:
         records: every rank's checksum record (from the metadata exchange), in group rank order.
     """
 
-    def __init__(self, group: Any, device: torch.device, params: TransportParams, algorithm: str,
-                 target: Optional[torch.device], owned: Owned, records: Sequence[dict]) -> None:
+    def __init__(
+        self,
+        group: Any,
+        device: torch.device,
+        params: TransportParams,
+        algorithm: str,
+        target: Optional[torch.device],
+        owned: Owned,
+        records: Sequence[dict],
+    ) -> None:
         self.group = group
         self.me = group.my_group_rank
         self.device = device
@@ -113,8 +121,9 @@ class ReplicaExchange:
         self.stored = owned.stored
         self.results[self.me] = self.stored
         self.ptrs = [[0] * len(e) for e in self.entries]
-        self.flats: List[List[Optional[torch.Tensor]]] = [[None] * len(lay[0])
-                                                          for lay in self.layouts]
+        self.flats: List[List[Optional[torch.Tensor]]] = [
+            [None] * len(lay[0]) for lay in self.layouts
+        ]
         self.remaining = [[e["nbytes"] for e in entries] for entries in self.entries]
         self.sums: List[List[Any]] = [[None] * len(e) for e in self.entries]
         self.streams: Dict[Tuple[int, int], Any] = {}  # xxh3 states of tensors hashed by chunk
@@ -122,13 +131,20 @@ class ReplicaExchange:
         self.send_src = owned.send_src
         self.send_ptrs = [t.data_ptr() if t.is_cpu else 0 for t in self.send_src]
         self.send_views: Dict[int, torch.Tensor] = {}
-        self.stored_ptrs = [s.data_ptr() if s.is_cpu and not self.on_device else 0
-                            for s in self.stored]
+        self.stored_ptrs = [
+            s.data_ptr() if s.is_cpu and not self.on_device else 0 for s in self.stored
+        ]
         self.staging: Optional[_Staging] = _Staging(params.depth, params.bucket, device)
         self.staging_cpu = device.type == "cpu"
         self.per_src = [
-            _plan_messages(r, [e["nbytes"] for e in entries], params.bucket, params.direct_min,
-                           self.layouts[r][0], params.direct_chunk)
+            _plan_messages(
+                r,
+                [e["nbytes"] for e in entries],
+                params.bucket,
+                params.direct_min,
+                self.layouts[r][0],
+                params.direct_chunk,
+            )
             for r, entries in enumerate(self.entries)
         ]
         # A staging slot is reused only once the message that last used it has completed;
@@ -177,8 +193,9 @@ class ReplicaExchange:
             groups, dtypes, offsets, totals = self.layouts[r]
             for g, members in enumerate(groups):
                 dtype = _DTYPES[dtypes[g]]
-                flat = torch.empty(totals[g] // dtype.itemsize, dtype=dtype,
-                                   device=self.land_device)
+                flat = torch.empty(
+                    totals[g] // dtype.itemsize, dtype=dtype, device=self.land_device
+                )
                 self.flats[r][g] = flat.view(torch.uint8)
                 _segment_views(flat, members, entries, offsets, self.results[r])
                 base = flat.data_ptr()
@@ -206,7 +223,7 @@ class ReplicaExchange:
         """A message from another owner completed: unstage it, hash the tensors it finished."""
         r = msg.src
         if staged:
-            self.flats[r][msg.group][msg.start:msg.start + msg.size].copy_(buf)
+            self.flats[r][msg.group][msg.start : msg.start + msg.size].copy_(buf)
         remaining, entries = self.remaining[r], self.entries[r]
         for i, toff, length, _ in msg.pieces:
             remaining[i] -= length
@@ -238,13 +255,13 @@ class ReplicaExchange:
         """(buffer to broadcast, staged) for a message of this rank."""
         i, toff, length, _ = msg.pieces[0]
         if msg.direct and self.send_src[i].device == self.device:
-            return self._src_bytes(i)[toff:toff + length], False
+            return self._src_bytes(i)[toff : toff + length], False
         buf = self._take_slot(msg.size)
         if self.staging_cpu and all(self.send_ptrs[p[0]] for p in msg.pieces):
             self._pack_host(msg, buf)
         else:
             for i, toff, length, moff in msg.pieces:
-                buf[moff:moff + length].copy_(self._src_bytes(i)[toff:toff + length])
+                buf[moff : moff + length].copy_(self._src_bytes(i)[toff : toff + length])
         return buf, True
 
     def _pack_host(self, msg: _Message, buf: torch.Tensor) -> None:
@@ -264,8 +281,9 @@ class ReplicaExchange:
         for i, toff, length, _ in msg.pieces:
             nbytes = entries[i]["nbytes"]
             if sums[i] is None and self.stored_ptrs[i] and length != nbytes:
-                self._hash_chunk(self.me, i, self.stored_ptrs[i] + toff, length,
-                                 toff + length == nbytes)
+                self._hash_chunk(
+                    self.me, i, self.stored_ptrs[i] + toff, length, toff + length == nbytes
+                )
             elif toff + length == nbytes and sums[i] is None:
                 sums[i] = self.hash_tensor(stored[i])
                 if self.on_device and self.target is not None and stored[i].device != self.target:
@@ -277,7 +295,7 @@ class ReplicaExchange:
         if msg.src == self.me:
             buf, staged = self._outgoing(msg)
         elif self.land_device == self.device:
-            buf, staged = self.flats[msg.src][msg.group][msg.start:msg.start + msg.size], False
+            buf, staged = self.flats[msg.src][msg.group][msg.start : msg.start + msg.size], False
         else:
             buf, staged = self._take_slot(msg.size), True
         work = _broadcast(buf, self.group.get_global_rank(msg.src), self.group.group)
@@ -309,7 +327,8 @@ class ReplicaExchange:
                 groups, dtypes, offsets, _ = self.layouts[r]
                 for g, members in enumerate(groups):
                     moved = self.flats[r][g].to(self.recv_device, non_blocking=True)
-                    _segment_views(moved.view(_DTYPES[dtypes[g]]), members, entries, offsets,
-                                   self.results[r])
+                    _segment_views(
+                        moved.view(_DTYPES[dtypes[g]]), members, entries, offsets, self.results[r]
+                    )
         digests = iter(ck.to_checksums([x for row in self.sums for x in row if x is not None]))
         self.sums = [[None if x is None else next(digests) for x in row] for row in self.sums]

@@ -21,8 +21,16 @@ from megatron.integrity.verify.findings import CopyPrint
 __all__ = ["local_iterations"]
 
 # kinds of problems after which a local copy does not count as one that verifies
-_UNUSABLE_KINDS = frozenset({"unreadable", "not_a_local_checkpoint", "checksum_mismatch",
-                             "verifier_error", "iteration", "identity"})
+_UNUSABLE_KINDS = frozenset(
+    {
+        "unreadable",
+        "not_a_local_checkpoint",
+        "checksum_mismatch",
+        "verifier_error",
+        "iteration",
+        "identity",
+    }
+)
 _IDENTITY_KEY_FIELDS = ("run_id", "save_token", "iteration", "owner_rank")
 
 
@@ -41,8 +49,9 @@ def _identity_differences(a: Optional[dict], b: Optional[dict]) -> List[str]:
         if va == vb:
             continue
         if isinstance(va, dict) and isinstance(vb, dict):
-            out += [f"{k}.{n}" for n in sorted(set(va) | set(vb), key=str)
-                    if va.get(n) != vb.get(n)]
+            out += [
+                f"{k}.{n}" for n in sorted(set(va) | set(vb), key=str) if va.get(n) != vb.get(n)
+            ]
         else:
             out.append(str(k))
     return out
@@ -70,8 +79,9 @@ def _compare_copies(a: CopyPrint, b: CopyPrint) -> Tuple[List[str], int]:
 def _signature(cp: CopyPrint) -> Tuple[tuple, str]:
     """Hashable summary of a copy: equal for copies that agree (see :func:`_compare_copies`)."""
     items = sorted(_tensor_map(cp).items(), key=lambda kv: (kv[0][0], kv[0][1] or ()))
-    return tuple((k, tuple(v)) for k, v in items), json.dumps(cp.identity, sort_keys=True,
-                                                              default=str)
+    return tuple((k, tuple(v)) for k, v in items), json.dumps(
+        cp.identity, sort_keys=True, default=str
+    )
 
 
 def _save_of(cp: Optional[CopyPrint]) -> Optional[Tuple[Any, Any]]:
@@ -89,8 +99,9 @@ def _strict_majority(counts: Dict[Any, int]) -> Any:
     return ranked[0][0]
 
 
-def _missing_text(it: int, owner: int, newest: Optional[int],
-                  dirty_of: Dict[Tuple[int, int], List[str]]) -> str:
+def _missing_text(
+    it: int, owner: int, newest: Optional[int], dirty_of: Dict[Tuple[int, int], List[str]]
+) -> str:
     """Why ``owner``'s shard of iteration ``it`` is absent, as far as the directory tells."""
     d = dirty_of.get((it, owner))
     if d:
@@ -126,8 +137,15 @@ class _Facts:
     consistent: bool = False
 
 
-def _suspect(ctx: _Context, it: int, ref: LocalFile, other: LocalFile, loaded: List[LocalFile],
-             common_save: Any, sig: Dict[str, Any]) -> Tuple[Optional[LocalFile], Optional[str]]:
+def _suspect(
+    ctx: _Context,
+    it: int,
+    ref: LocalFile,
+    other: LocalFile,
+    loaded: List[LocalFile],
+    common_save: Any,
+    sig: Dict[str, Any],
+) -> Tuple[Optional[LocalFile], Optional[str]]:
     """The copy of two that differ likely to be wrong, and why (``(None, None)``: no telling).
     ``sig`` caches the copies' signatures for this shard."""
     prints = ctx.prints
@@ -148,8 +166,15 @@ def _suspect(ctx: _Context, it: int, ref: LocalFile, other: LocalFile, loaded: L
     return None, None
 
 
-def _compare_shard(ctx: _Context, it: int, owner: int, loaded: List[LocalFile], row: dict,
-                   reasons: List[Any], common_save: Any) -> None:
+def _compare_shard(
+    ctx: _Context,
+    it: int,
+    owner: int,
+    loaded: List[LocalFile],
+    row: dict,
+    reasons: List[Any],
+    common_save: Any,
+) -> None:
     """Compare the first loaded copy of a shard with each other one (``copies_differ``)."""
     prints, ref = ctx.prints, loaded[0]
     sig: Dict[str, Any] = {}
@@ -160,31 +185,52 @@ def _compare_shard(ctx: _Context, it: int, owner: int, loaded: List[LocalFile], 
             continue
         row["consistent"] = False
         suspect, why = _suspect(ctx, it, ref, other, loaded, common_save, sig)
-        msg = (f"rank {owner}'s shard of iteration {it}: {ref.role} {ref.rel} and {other.role} "
-               f"{other.rel} "
-               + (f"differ in {len(differing)} of {total} tensors" if differing
-                  else f"hold the same {total} tensors")
-               + (f"; identity records differ in {', '.join(fields)}" if fields else ""))
+        msg = (
+            f"rank {owner}'s shard of iteration {it}: {ref.role} {ref.rel} and {other.role} "
+            f"{other.rel} "
+            + (
+                f"differ in {len(differing)} of {total} tensors"
+                if differing
+                else f"hold the same {total} tensors"
+            )
+            + (f"; identity records differ in {', '.join(fields)}" if fields else "")
+        )
         if suspect is not None:
             msg += f" [suspect: {suspect.role} {suspect.rel}: {why}]"
-        ctx.report.problems.append(Problem(
-            "copies_differ", msg, file=other.rel, holder_rank=other.holder_rank, owner_rank=owner,
-            role=other.role, iteration=it,
-            details={"files": [ref.rel, other.rel], "holders": [ref.holder_rank, other.holder_rank],
-                     "differing_tensors": len(differing), "tensors": total,
-                     "first_differing_keys": differing[:5], "identity_fields": fields,
-                     "suspect": suspect.rel if suspect is not None else None}))
-        reasons.append(f"rank {owner}'s shard: {ref.role} {ref.rel} and {other.role} {other.rel} "
-                       "differ")
+        ctx.report.problems.append(
+            Problem(
+                "copies_differ",
+                msg,
+                file=other.rel,
+                holder_rank=other.holder_rank,
+                owner_rank=owner,
+                role=other.role,
+                iteration=it,
+                details={
+                    "files": [ref.rel, other.rel],
+                    "holders": [ref.holder_rank, other.holder_rank],
+                    "differing_tensors": len(differing),
+                    "tensors": total,
+                    "first_differing_keys": differing[:5],
+                    "identity_fields": fields,
+                    "suspect": suspect.rel if suspect is not None else None,
+                },
+            )
+        )
+        reasons.append(
+            f"rank {owner}'s shard: {ref.role} {ref.rel} and {other.role} {other.rel} differ"
+        )
 
 
-def _iteration_facts(ctx: _Context, it: int, shards: Dict[int, List[LocalFile]],
-                     top_owner: int) -> _Facts:
+def _iteration_facts(
+    ctx: _Context, it: int, shards: Dict[int, List[LocalFile]], top_owner: int
+) -> _Facts:
     prints, results = ctx.prints, ctx.results
     files = [f for fs in shards.values() for f in fs]
     world = max((results[f.rel].world_size or 0 for f in files if f.rel in results), default=0)
-    factor = max((results[f.rel].replication_factor or 1 for f in files if f.rel in results),
-                 default=1)
+    factor = max(
+        (results[f.rel].replication_factor or 1 for f in files if f.rel in results), default=1
+    )
     n_owners = max(world, max(shards, default=-1) + 1) if world else top_owner + 1
     saves: Dict[Any, int] = {}
     for f in files:
@@ -195,20 +241,26 @@ def _iteration_facts(ctx: _Context, it: int, shards: Dict[int, List[LocalFile]],
     facts = _Facts(it, n_owners, world, factor, len(files), [], [])
     shard_saves = {}
     for owner in range(n_owners):
-        fs = sorted(shards.get(owner, []),
-                    key=lambda f: (f.role != "primary", f.holder_rank, f.rel))
+        fs = sorted(
+            shards.get(owner, []), key=lambda f: (f.role != "primary", f.holder_rank, f.rel)
+        )
         loaded = [f for f in fs if f.rel in prints and prints[f.rel].loaded]
         usable = [f for f in loaded if f.rel in results and f.rel not in ctx.bad]
-        row = {"owner_rank": owner, "copies": sorted(f.rel for f in fs),
-               "usable": sorted(f.rel for f in usable), "consistent": True}
+        row = {
+            "owner_rank": owner,
+            "copies": sorted(f.rel for f in fs),
+            "usable": sorted(f.rel for f in usable),
+            "consistent": True,
+        }
         facts.rows.append(row)
         if not fs:
             facts.missing.append(owner)
             facts.reasons.append(("missing", owner))
             continue
         if not usable:
-            facts.reasons.append(f"rank {owner}'s shard: no copy verifies "
-                                 f"({', '.join(row['copies'])})")
+            facts.reasons.append(
+                f"rank {owner}'s shard: no copy verifies ({', '.join(row['copies'])})"
+            )
         if len(fs) < factor:
             facts.few.append((owner, fs))
         if loaded:
@@ -220,49 +272,84 @@ def _iteration_facts(ctx: _Context, it: int, shards: Dict[int, List[LocalFile]],
         groups = "; ".join(
             f"run {run} save {tok} (rank(s) "
             f"{[o for o, v in sorted(shard_saves.items()) if v == (run, tok)]})"
-            for run, tok in distinct)
-        ctx.report.problems.append(Problem(
-            "mixed_saves", f"iteration {it}: its files come from {len(distinct)} saves: {groups}; "
-            "a checkpoint is one save of all ranks", iteration=it,
-            details={"saves": [list(d) for d in distinct]}))
+            for run, tok in distinct
+        )
+        ctx.report.problems.append(
+            Problem(
+                "mixed_saves",
+                f"iteration {it}: its files come from {len(distinct)} saves: {groups}; "
+                "a checkpoint is one save of all ranks",
+                iteration=it,
+                details={"saves": [list(d) for d in distinct]},
+            )
+        )
         facts.reasons.append(f"shards from {len(distinct)} saves")
     facts.complete = not facts.missing and all(r["usable"] for r in facts.rows)
     facts.consistent = all(r["consistent"] for r in facts.rows) and len(distinct) <= 1
     return facts
 
 
-def _verdict(report: VerifyReport, f: _Facts, newest: Optional[int],
-             dirty_of: Dict[Tuple[int, int], List[str]]) -> dict:
+def _verdict(
+    report: VerifyReport,
+    f: _Facts,
+    newest: Optional[int],
+    dirty_of: Dict[Tuple[int, int], List[str]],
+) -> dict:
     """Problems / warnings of one iteration once ``newest`` is known; its ``local_iterations``
     row."""
     it = f.it
-    reasons = [_missing_text(it, r[1], newest, dirty_of) if isinstance(r, tuple) else r
-               for r in f.reasons]
+    reasons = [
+        _missing_text(it, r[1], newest, dirty_of) if isinstance(r, tuple) else r for r in f.reasons
+    ]
     if f.missing and newest is not None:
         notes = [_missing_text(it, o, newest, dirty_of) for o in f.missing]
         notes += [f"rank {o}'s shard has {len(fs)} of {f.factor} copies" for o, fs in f.few]
-        report.warnings.append(Problem(
-            "incomplete_iteration", f"iteration {it}: {'; '.join(notes)}; newest complete and "
-            f"consistent local iteration: {newest}", iteration=it,
-            details={"missing_owners": f.missing, "newest_complete_iteration": newest}))
+        report.warnings.append(
+            Problem(
+                "incomplete_iteration",
+                f"iteration {it}: {'; '.join(notes)}; newest complete and "
+                f"consistent local iteration: {newest}",
+                iteration=it,
+                details={"missing_owners": f.missing, "newest_complete_iteration": newest},
+            )
+        )
     else:
         ran = f"the run had {f.world} ranks" if f.world else f"owner ranks up to {f.n - 1} seen"
         for o in f.missing:
-            report.problems.append(Problem("missing_owner", f"no local file holds rank {o}'s shard "
-                                           f"of iteration {it} ({ran})", owner_rank=o,
-                                           iteration=it))
+            report.problems.append(
+                Problem(
+                    "missing_owner",
+                    f"no local file holds rank {o}'s shard of iteration {it} ({ran})",
+                    owner_rank=o,
+                    iteration=it,
+                )
+            )
         for o, fs in f.few:
-            text = (f"rank {o}'s shard of iteration {it} has {len(fs)} local cop"
-                    f"{'y' if len(fs) == 1 else 'ies'} (held by ranks "
-                    f"{sorted(x.holder_rank for x in fs)}); the run replicated with "
-                    f"--replication-factor {f.factor}")
+            text = (
+                f"rank {o}'s shard of iteration {it} has {len(fs)} local cop"
+                f"{'y' if len(fs) == 1 else 'ies'} (held by ranks "
+                f"{sorted(x.holder_rank for x in fs)}); the run replicated with "
+                f"--replication-factor {f.factor}"
+            )
             report.problems.append(Problem("missing_copy", text, owner_rank=o, iteration=it))
-    return {"iteration": it, "owners": f.n, "files": f.files, "complete": f.complete,
-            "consistent": f.consistent, "reasons": reasons, "shards": f.rows}
+    return {
+        "iteration": it,
+        "owners": f.n,
+        "files": f.files,
+        "complete": f.complete,
+        "consistent": f.consistent,
+        "reasons": reasons,
+        "shards": f.rows,
+    }
 
 
-def local_iterations(report: VerifyReport, checked: List[int], copies: List[LocalFile],
-                     prints: Dict[str, CopyPrint], dirty: Sequence[str]) -> None:
+def local_iterations(
+    report: VerifyReport,
+    checked: List[int],
+    copies: List[LocalFile],
+    prints: Dict[str, CopyPrint],
+    dirty: Sequence[str],
+) -> None:
     """Verdicts of every checked local iteration (see the module docstring).
 
     A missing shard is a problem unless another checked iteration is complete and consistent

@@ -72,8 +72,11 @@ class LocalFile:
 
 def where(lf: LocalFile) -> str:
     """How messages name a local file: its relative path and what copy it is."""
-    kind = ("primary" if lf.role == "primary"
-            else f"replica of rank {lf.owner_rank}'s shard held by rank {lf.holder_rank}")
+    kind = (
+        "primary"
+        if lf.role == "primary"
+        else f"replica of rank {lf.owner_rank}'s shard held by rank {lf.holder_rank}"
+    )
     return f"{lf.rel} ({kind})"
 
 
@@ -214,9 +217,11 @@ def require_local_files(layout: LocalLayout) -> None:
         )
 
 
-def choose_iteration(layout: Optional[LocalLayout],
-                     persistent_dir: Optional[Union[str, os.PathLike]],
-                     iteration: Optional[int]) -> Tuple[Optional[int], Optional[Path]]:
+def choose_iteration(
+    layout: Optional[LocalLayout],
+    persistent_dir: Optional[Union[str, os.PathLike]],
+    iteration: Optional[int],
+) -> Tuple[Optional[int], Optional[Path]]:
     """``(iteration, persistent iteration directory or None)`` to verify (see
     :func:`megatron.integrity.verify.verify_checkpoint`).
 

@@ -71,8 +71,10 @@ def _sharded_parts(sd: Any) -> Tuple[Optional[list], list]:
 def region_of(sh: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """``(global offset, sizes)`` of a ``ShardedTensor``'s data in its global tensor (elements;
     sizes ``(1,) * prepend_axis_num + local_shape``)."""
-    return (tuple(int(o) for o in sh.global_offset),
-            (1,) * sh.prepend_axis_num + tuple(int(s) for s in sh.local_shape))
+    return (
+        tuple(int(o) for o in sh.global_offset),
+        (1,) * sh.prepend_axis_num + tuple(int(s) for s in sh.local_shape),
+    )
 
 
 def _load(op: OpenedLocal, opts: VerifyOptions, part: Findings) -> bool:
@@ -86,8 +88,11 @@ def _load(op: OpenedLocal, opts: VerifyOptions, part: Findings) -> bool:
             # e.g. a file in the legacy (non-zip) format, which cannot be memory-mapped
             op.sd = torch.load(lf.path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
-        part.problems.append(Problem("unreadable", f"{where(lf)}: cannot be loaded: "
-                                     f"{type(e).__name__}: {e}", **op.base))
+        part.problems.append(
+            Problem(
+                "unreadable", f"{where(lf)}: cannot be loaded: {type(e).__name__}: {e}", **op.base
+            )
+        )
         op.failed = True
         return False
     op.print.loaded = True
@@ -99,16 +104,23 @@ def _read_identity(op: OpenedLocal, part: Findings) -> None:
     try:
         ident = get_identity(sd)
     except ValueError as e:
-        part.problems.append(Problem("identity", f"{where(lf)}: unusable identity record: {e}",
-                                     **op.base))
+        part.problems.append(
+            Problem("identity", f"{where(lf)}: unusable identity record: {e}", **op.base)
+        )
         ident = {"unusable": str(e)}
     else:
-        if ident is not None and ((ident.get("iteration"), ident.get("owner_rank"))
-                                  != (lf.iteration, lf.owner_rank)):
-            part.problems.append(Problem(
-                "identity", f"{where(lf)}: its identity record is of rank "
-                f"{ident.get('owner_rank')}'s shard of iteration {ident.get('iteration')}, its "
-                f"name says rank {lf.owner_rank}, iteration {lf.iteration}", **op.base))
+        if ident is not None and (
+            (ident.get("iteration"), ident.get("owner_rank")) != (lf.iteration, lf.owner_rank)
+        ):
+            part.problems.append(
+                Problem(
+                    "identity",
+                    f"{where(lf)}: its identity record is of rank "
+                    f"{ident.get('owner_rank')}'s shard of iteration {ident.get('iteration')}, its "
+                    f"name says rank {lf.owner_rank}, iteration {lf.iteration}",
+                    **op.base,
+                )
+            )
     op.res.has_identity = ident is not None
     op.print.identity = ident
     common = getattr(sd, "common", None)
@@ -120,9 +132,14 @@ def _read_identity(op: OpenedLocal, part: Findings) -> None:
                 op.res.replication_factor = getattr(args, "replication_factor", None)
         it = common.get("iteration")
         if isinstance(it, int) and it != lf.iteration:
-            part.problems.append(Problem("iteration", f"{where(lf)}: its common state says "
-                                         f"iteration {it}, its name says {lf.iteration}",
-                                         **op.base))
+            part.problems.append(
+                Problem(
+                    "iteration",
+                    f"{where(lf)}: its common state says "
+                    f"iteration {it}, its name says {lf.iteration}",
+                    **op.base,
+                )
+            )
 
 
 def _read_checksum_record(op: OpenedLocal, part: Findings) -> Optional[dict]:
@@ -130,18 +147,31 @@ def _read_checksum_record(op: OpenedLocal, part: Findings) -> Optional[dict]:
     try:
         record = ck.get_record(op.sd)
     except ValueError as e:
-        part.problems.append(Problem("checksum_mismatch", f"{where(lf)}: unusable checksum record: "
-                                     f"{e}", **op.base))
+        part.problems.append(
+            Problem("checksum_mismatch", f"{where(lf)}: unusable checksum record: {e}", **op.base)
+        )
         record = None
     op.res.has_checksum_record = record is not None
     if record is None:
-        part.warnings.append(Problem("no_checksum_record", f"{where(lf)}: no per-tensor checksum "
-                                     "record (saved without the replication fix): stored checksums "
-                                     "not checked", **op.base))
+        part.warnings.append(
+            Problem(
+                "no_checksum_record",
+                f"{where(lf)}: no per-tensor checksum "
+                "record (saved without the replication fix): stored checksums "
+                "not checked",
+                **op.base,
+            )
+        )
     elif record.get("owner_rank") != lf.owner_rank:
-        part.problems.append(Problem("checksum_mismatch", f"{where(lf)}: checksum record is of "
-                                     f"rank {record.get('owner_rank')}'s shard, the file name says "
-                                     f"rank {lf.owner_rank}", **op.base))
+        part.problems.append(
+            Problem(
+                "checksum_mismatch",
+                f"{where(lf)}: checksum record is of "
+                f"rank {record.get('owner_rank')}'s shard, the file name says "
+                f"rank {lf.owner_rank}",
+                **op.base,
+            )
+        )
     return record
 
 
@@ -164,10 +194,21 @@ def _batches(items: List[Tuple[str, Any, Any]], batch_bytes: int) -> List[List[i
 def open_local(lf: LocalFile, opts: VerifyOptions, part: Findings) -> OpenedLocal:
     """Load (map) a local file and read its metadata; problems go to ``part`` (``failed`` set
     when the file cannot be checked further)."""
-    res = FileResult(file=lf.rel, role=lf.role, holder_rank=lf.holder_rank,
-                     owner_rank=lf.owner_rank, iteration=lf.iteration, file_bytes=lf.size)
-    base = dict(file=lf.rel, holder_rank=lf.holder_rank, owner_rank=lf.owner_rank, role=lf.role,
-                iteration=lf.iteration)
+    res = FileResult(
+        file=lf.rel,
+        role=lf.role,
+        holder_rank=lf.holder_rank,
+        owner_rank=lf.owner_rank,
+        iteration=lf.iteration,
+        file_bytes=lf.size,
+    )
+    base = dict(
+        file=lf.rel,
+        holder_rank=lf.holder_rank,
+        owner_rank=lf.owner_rank,
+        role=lf.role,
+        iteration=lf.iteration,
+    )
     op = OpenedLocal(lf, res, base)
     op.print = part.prints[lf.rel] = CopyPrint()
     if not _load(op, opts, part):
@@ -180,30 +221,46 @@ def open_local(lf: LocalFile, opts: VerifyOptions, part: Findings) -> OpenedLoca
         sd = op.sd
         tensors = list(getattr(sd, "tensors", []) or [])
         if not tensors and not hasattr(sd, "tensors"):
-            part.problems.append(Problem("not_a_local_checkpoint", f"{where(lf)}: holds a "
-                                         f"{type(sd).__name__}, not a tensor-aware state dict",
-                                         **base))
+            part.problems.append(
+                Problem(
+                    "not_a_local_checkpoint",
+                    f"{where(lf)}: holds a {type(sd).__name__}, not a tensor-aware state dict",
+                    **base,
+                )
+            )
             op.failed = True
             return op
-        part.warnings.append(Problem("not_compared", f"{where(lf)}: a {type(sd).__name__}: tensors "
-                                     "have no global position, only checksums and NaN/Inf are "
-                                     "checked", **base))
+        part.warnings.append(
+            Problem(
+                "not_compared",
+                f"{where(lf)}: a {type(sd).__name__}: tensors "
+                "have no global position, only checksums and NaN/Inf are "
+                "checked",
+                **base,
+            )
+        )
         op.items = [(f"tensor[{i}]", t, None) for i, t in enumerate(tensors)]
     else:
         op.items = [(sh.key, sh.data, sh) for sh in shs]
         op.objs = objs
     op.entries = record["entries"] if record is not None else None
     if op.entries is not None and len(op.entries) != len(op.items):
-        part.problems.append(Problem("checksum_mismatch", f"{where(lf)}: holds {len(op.items)} "
-                                     f"tensors, its checksum record lists {len(op.entries)}",
-                                     **base))
+        part.problems.append(
+            Problem(
+                "checksum_mismatch",
+                f"{where(lf)}: holds {len(op.items)} "
+                f"tensors, its checksum record lists {len(op.entries)}",
+                **base,
+            )
+        )
     res.tensors = len(op.items)
     op.batches = _batches(op.items, opts.batch_bytes)
     return op
 
 
-def plan_readahead(op: OpenedLocal, pc: Optional[PersistentCheckpoint], ra: ReadAhead,
-                   mapped: bool) -> None:
+def plan_readahead(
+    op: OpenedLocal, pc: Optional[PersistentCheckpoint], ra: ReadAhead, mapped: bool
+) -> None:
     """Queue, batch by batch, each tensor's local bytes (when mapped) and its persistent chunk."""
     if op.failed or not ra.enabled:
         op.batch_tickets = [-1] * len(op.batches)
@@ -225,9 +282,14 @@ def plan_readahead(op: OpenedLocal, pc: Optional[PersistentCheckpoint], ra: Read
         op.batch_tickets.append(ticket)
 
 
-def check_opened(op: OpenedLocal, pc: Optional[PersistentCheckpoint], opts: VerifyOptions,
-                 part: Findings, ra: ReadAhead,
-                 progress: Optional[Callable[[int], None]] = None) -> None:
+def check_opened(
+    op: OpenedLocal,
+    pc: Optional[PersistentCheckpoint],
+    opts: VerifyOptions,
+    part: Findings,
+    ra: ReadAhead,
+    progress: Optional[Callable[[int], None]] = None,
+) -> None:
     """All checks of one opened local file, batch by batch (each batch waits for its
     read-ahead); releases the file's tensors when done."""
     lf = op.lf
@@ -246,10 +308,12 @@ def check_opened(op: OpenedLocal, pc: Optional[PersistentCheckpoint], opts: Veri
             ra.wait(ticket)
             regions: List[Union[torch.Tensor, str, None]] = [None] * len(b)
             if pc is not None and op.items and op.items[0][2] is not None:
-                regions = pc.read_regions([(op.items[i][2].key, *region_of(op.items[i][2]))
-                                           for i in b])
-                part.bytes_read += sum(r.numel() * r.element_size() for r in regions
-                                       if isinstance(r, torch.Tensor))
+                regions = pc.read_regions(
+                    [(op.items[i][2].key, *region_of(op.items[i][2])) for i in b]
+                )
+                part.bytes_read += sum(
+                    r.numel() * r.element_size() for r in regions if isinstance(r, torch.Tensor)
+                )
             for j, i in enumerate(b):
                 _key, t, sh = op.items[i]
                 check_tensor(op, i, regions[j], part, opts)

@@ -21,13 +21,25 @@ _Regions = Dict[str, Dict[Tuple[tuple, tuple], int]]
 def _leftover_warnings(report: VerifyReport, layout: LocalLayout) -> None:
     """Warnings naming what interrupted saves and the local tier's fallback left behind."""
     for rel in layout.dirty:
-        report.warnings.append(Problem("dirty_file", f"{rel}: unfinished local save (*.dirty.pt, "
-                                       "left by an interrupted save); ignored", file=rel,
-                                       holder_rank=holder_of(rel)))
+        report.warnings.append(
+            Problem(
+                "dirty_file",
+                f"{rel}: unfinished local save (*.dirty.pt, left by an interrupted save); ignored",
+                file=rel,
+                holder_rank=holder_of(rel),
+            )
+        )
     for rel in layout.rejected:
-        report.warnings.append(Problem("rejected_file", f"{rel}: quarantined by the local tier "
-                                       "(rejected when the run loaded its local checkpoint); not "
-                                       "verified", file=rel, holder_rank=holder_of(rel)))
+        report.warnings.append(
+            Problem(
+                "rejected_file",
+                f"{rel}: quarantined by the local tier "
+                "(rejected when the run loaded its local checkpoint); not "
+                "verified",
+                file=rel,
+                holder_rank=holder_of(rel),
+            )
+        )
     for rel, m in sorted(layout.markers.items()):
         if "unreadable" in m:
             what = f"unreadable: {m['unreadable']}"
@@ -36,27 +48,49 @@ def _leftover_warnings(report: VerifyReport, layout: LocalLayout) -> None:
             short = reason if len(reason) <= 200 else reason[:197] + "..."
             what = f"iteration {m.get('iteration', '?')}: {short}"
         rank = m.get("rank", holder_of(rel))
-        report.warnings.append(Problem(
-            "bad_tier_marker", f"{rel}: bad-tier marker of rank {rank} ({what}); the next start "
-            "loads the persistent checkpoint", file=rel, holder_rank=holder_of(rel),
-            details={k: v for k, v in m.items() if isinstance(v, (str, int, float))}))
+        report.warnings.append(
+            Problem(
+                "bad_tier_marker",
+                f"{rel}: bad-tier marker of rank {rank} ({what}); the next start "
+                "loads the persistent checkpoint",
+                file=rel,
+                holder_rank=holder_of(rel),
+                details={k: v for k, v in m.items() if isinstance(v, (str, int, float))},
+            )
+        )
 
 
-def _manifest_verdict(report: VerifyReport, parts: List[Findings], pc: PersistentCheckpoint,
-                      manifest: Optional[dict]) -> None:
+def _manifest_verdict(
+    report: VerifyReport, parts: List[Findings], pc: PersistentCheckpoint, manifest: Optional[dict]
+) -> None:
     failed = sorted({x for p in parts for x in p.manifest_failed})
     if manifest is None:
         report.manifest = {"present": False, "verified": None, "files": 0, "failed_files": []}
-        report.warnings.append(Problem("no_manifest", f"{pc.path / INTEGRITY_FNAME} is absent "
-                                       "(checkpoint saved without --verify-integrity): file hashes "
-                                       "not checked", role="persistent"))
+        report.warnings.append(
+            Problem(
+                "no_manifest",
+                f"{pc.path / INTEGRITY_FNAME} is absent "
+                "(checkpoint saved without --verify-integrity): file hashes "
+                "not checked",
+                role="persistent",
+            )
+        )
         return
-    report.manifest = {"present": True, "verified": not failed,
-                       "files": len(manifest.get("files", {})),
-                       "failed_files": [n for n, _ in failed]}
+    report.manifest = {
+        "present": True,
+        "verified": not failed,
+        "files": len(manifest.get("files", {})),
+        "failed_files": [n for n, _ in failed],
+    }
     for n, why in failed:
-        report.problems.append(Problem("manifest", f"persistent {n}: {why}",
-                                       file=None if n == "*" else n, role="persistent"))
+        report.problems.append(
+            Problem(
+                "manifest",
+                f"persistent {n}: {why}",
+                file=None if n == "*" else n,
+                role="persistent",
+            )
+        )
 
 
 def _coverage(report: VerifyReport, parts: List[Findings], pc: PersistentCheckpoint) -> _Regions:
@@ -72,13 +106,24 @@ def _coverage(report: VerifyReport, parts: List[Findings], pc: PersistentCheckpo
         md = pc.tensors[key]
         got = sorted(regions.get(key, {}))
         if not got:
-            report.problems.append(Problem("local_incomplete", f"persistent tensor '{key}' "
-                                           f"{list(md.size)} is in no local file", key=key,
-                                           shape=list(md.size)))
+            report.problems.append(
+                Problem(
+                    "local_incomplete",
+                    f"persistent tensor '{key}' {list(md.size)} is in no local file",
+                    key=key,
+                    shape=list(md.size),
+                )
+            )
             continue
         for e in check_chunk_cover(tuple(md.size), got):
-            report.problems.append(Problem("local_incomplete", f"local shards of '{key}' "
-                                           f"{list(md.size)}: {e}", key=key, shape=list(md.size)))
+            report.problems.append(
+                Problem(
+                    "local_incomplete",
+                    f"local shards of '{key}' {list(md.size)}: {e}",
+                    key=key,
+                    shape=list(md.size),
+                )
+            )
     return regions
 
 
@@ -89,8 +134,11 @@ def _suspects(report: VerifyReport, regions: _Regions) -> None:
     persistent data while matching its own checksum; ``"this local copy"`` when other copies of
     the region match the persistent data; ``"unknown"`` for a single copy without a checksum
     verdict."""
-    failed_ck = {(p.file, p.key, tuple(p.global_offset or ())) for p in report.problems
-                 if p.kind == "checksum_mismatch"}
+    failed_ck = {
+        (p.file, p.key, tuple(p.global_offset or ()))
+        for p in report.problems
+        if p.kind == "checksum_mismatch"
+    }
     bad: Dict[Tuple[str, tuple], int] = {}
     for p in report.problems:
         if p.kind == "value_mismatch":
@@ -104,11 +152,13 @@ def _suspects(report: VerifyReport, regions: _Regions) -> None:
         if (p.file, p.key, off) in failed_ck:
             p.details["suspect"] = "local file changed after save (its stored checksum fails)"
         elif bad[(p.key, off)] < copies:
-            p.details["suspect"] = ("this local copy (other copies of the region match the "
-                                    "persistent data)")
+            p.details["suspect"] = (
+                "this local copy (other copies of the region match the persistent data)"
+            )
         elif copies > 1:
-            p.details["suspect"] = ("persistent (all local copies differ from it, none fails its "
-                                    "checksum)")
+            p.details["suspect"] = (
+                "persistent (all local copies differ from it, none fails its checksum)"
+            )
         else:
             p.details["suspect"] = "unknown (single local copy)"
         p.message += f" [suspect: {p.details['suspect']}]"
@@ -118,9 +168,13 @@ def merge(parts: List[Findings], plan: Plan, verify_manifest: bool) -> VerifyRep
     """The report from every worker's findings on ``plan`` (its ``checked`` iterations and every
     local file of those some rank saw, ``copies``, whether or not it could be checked)."""
     layout, pc, checked = plan.layout, plan.pc, plan.checked
-    report = VerifyReport(mode=plan.mode, local_dir=str(layout.rank_root) if layout else None,
-                          persistent_dir=str(pc.path) if pc else None, iteration=plan.iteration,
-                          iterations=list(checked))
+    report = VerifyReport(
+        mode=plan.mode,
+        local_dir=str(layout.rank_root) if layout else None,
+        persistent_dir=str(pc.path) if pc else None,
+        iteration=plan.iteration,
+        iterations=list(checked),
+    )
     prints: Dict[str, CopyPrint] = {}
     for p in parts:
         report.files += p.files

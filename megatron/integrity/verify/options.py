@@ -46,5 +46,6 @@ class VerifyOptions:
         """These options with ``verify_manifest`` decided (``None`` -> ``not with_local``) and
         ``batch_bytes`` an ``int``."""
         manifest = (not with_local) if self.verify_manifest is None else self.verify_manifest
-        return dataclasses.replace(self, verify_manifest=manifest,
-                                   batch_bytes=int(self.batch_bytes))
+        return dataclasses.replace(
+            self, verify_manifest=manifest, batch_bytes=int(self.batch_bytes)
+        )

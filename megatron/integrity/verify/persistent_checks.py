@@ -41,9 +41,14 @@ def file_size(p: Path) -> int:
         return 0
 
 
-def check_persistent_file(pc: PersistentCheckpoint, name: str, opts: VerifyOptions,
-                          part: Findings, progress: Optional[Callable[[int], None]] = None,
-                          ra: Optional[ReadAhead] = None) -> None:
+def check_persistent_file(
+    pc: PersistentCheckpoint,
+    name: str,
+    opts: VerifyOptions,
+    part: Findings,
+    progress: Optional[Callable[[int], None]] = None,
+    ra: Optional[ReadAhead] = None,
+) -> None:
     """Read every chunk and object of data file ``name`` (``unreadable`` problems), scanning
     chunks for NaN/Inf (``nonfinite``) when ``opts.check_nonfinite``."""
     size = max(pc.data_files.get(name, 0), 0)
@@ -61,12 +66,22 @@ def check_persistent_file(pc: PersistentCheckpoint, name: str, opts: VerifyOptio
             nan, inf = count_nonfinite(t)
             if nan or inf:
                 res.nonfinite_tensors += 1
-                part.problems.append(Problem(
-                    "nonfinite", f"persistent {name}: '{key}' chunk at {list(chunk.offsets)} "
-                    f"({ck.dtype_name(t.dtype)}{list(t.shape)}) holds {nan} NaN and {inf} Inf of "
-                    f"{t.numel()} elements", file=name, role="persistent", key=key,
-                    global_offset=[int(o) for o in chunk.offsets], shape=list(t.shape),
-                    dtype=ck.dtype_name(t.dtype), nbytes=n, details={"nan": nan, "inf": inf}))
+                part.problems.append(
+                    Problem(
+                        "nonfinite",
+                        f"persistent {name}: '{key}' chunk at {list(chunk.offsets)} "
+                        f"({ck.dtype_name(t.dtype)}{list(t.shape)}) holds {nan} NaN and {inf} Inf of "
+                        f"{t.numel()} elements",
+                        file=name,
+                        role="persistent",
+                        key=key,
+                        global_offset=[int(o) for o in chunk.offsets],
+                        shape=list(t.shape),
+                        dtype=ck.dtype_name(t.dtype),
+                        nbytes=n,
+                        details={"nan": nan, "inf": inf},
+                    )
+                )
         if progress is not None:
             progress(n)
             reported += n
@@ -74,13 +89,22 @@ def check_persistent_file(pc: PersistentCheckpoint, name: str, opts: VerifyOptio
     def on_object(key: str, obj: Any) -> None:
         res.objects_read += 1  # read and unpickled
 
-    failed = pc.stream_file(name, on_tensor, on_object,
-                            ra if (ra is not None and ra.enabled) else None)
+    failed = pc.stream_file(
+        name, on_tensor, on_object, ra if (ra is not None and ra.enabled) else None
+    )
     for key, offsets, e in failed:
-        part.problems.append(Problem("unreadable", f"persistent {name}: '{key}'"
-                                     + (f" chunk at {offsets}" if offsets is not None else "")
-                                     + f" cannot be read: {type(e).__name__}: {e}",
-                                     file=name, role="persistent", key=key, global_offset=offsets))
+        part.problems.append(
+            Problem(
+                "unreadable",
+                f"persistent {name}: '{key}'"
+                + (f" chunk at {offsets}" if offsets is not None else "")
+                + f" cannot be read: {type(e).__name__}: {e}",
+                file=name,
+                role="persistent",
+                key=key,
+                global_offset=offsets,
+            )
+        )
     if progress is not None and size > reported:
         progress(size - reported)
 
@@ -106,18 +130,22 @@ def manifest_names(manifest: dict) -> List[str]:
     return sorted(manifest.get("files", {}))
 
 
-def check_manifest_files(pc: PersistentCheckpoint, names: Sequence[str], manifest: dict,
-                         part: Findings) -> None:
+def check_manifest_files(
+    pc: PersistentCheckpoint, names: Sequence[str], manifest: dict, part: Findings
+) -> None:
     """Verify ``names`` (this rank's share) of the checkpoint's ``integrity.json`` with
     :func:`megatron.integrity.manifest.check_files` (a bad file is named with the byte range that
     differs, for ``xxh3-64-blocks``)."""
-    if manifest.get("algorithm", "sha256") not in (_manifest.ALGORITHM,
-                                                   _manifest.UPSTREAM_ALGORITHM):
-        part.manifest_failed.append(("*", f"unsupported algorithm {manifest.get('algorithm')!r} "
-                                     "in integrity.json"))
+    if manifest.get("algorithm", "sha256") not in (
+        _manifest.ALGORITHM,
+        _manifest.UPSTREAM_ALGORITHM,
+    ):
+        part.manifest_failed.append(
+            ("*", f"unsupported algorithm {manifest.get('algorithm')!r} in integrity.json")
+        )
         return
     for n in names:
         part.manifest_checked += 1
         part.bytes_read += file_size(pc.path / n)
     for p in _manifest.check_files(pc.path, manifest, names):
-        part.manifest_failed.append((p.file, str(p)[len(p.file) + 2:]))
+        part.manifest_failed.append((p.file, str(p)[len(p.file) + 2 :]))

@@ -92,8 +92,13 @@ class _Ranks:
         raise cls(text if self.world == 1 else f"rank {first}: {text}", failures)
 
 
-def _open_inputs(local_dir: Optional[PathLike], persistent_dir: Optional[PathLike],
-                 iteration: Optional[int], opts: VerifyOptions, ranks: _Ranks) -> Plan:
+def _open_inputs(
+    local_dir: Optional[PathLike],
+    persistent_dir: Optional[PathLike],
+    iteration: Optional[int],
+    opts: VerifyOptions,
+    ranks: _Ranks,
+) -> Plan:
     """Discover the local files and open the persistent checkpoint, every rank agreeing."""
     layout = ranks.agree(lambda: discover_local(local_dir) if local_dir is not None else None)
     if layout is not None and ranks.world > 1:
@@ -131,7 +136,8 @@ def _divide(plan: Plan, ranks: _Ranks) -> None:
         assigned = local_units(units, world)[rank]
         plan.my_local = sorted(
             (mine[r] for r in assigned),
-            key=lambda f: (f.iteration, f.owner_rank, f.role != "primary", f.rel))
+            key=lambda f: (f.iteration, f.owner_rank, f.role != "primary", f.rel),
+        )
     if pc is not None and layout is None:
         units = [(n, max(s, 0), set(range(world))) for n, s in pc.data_files.items()]
         plan.my_data_files = sorted(assign(units, world)[rank])
@@ -147,18 +153,29 @@ def _progress_bar(plan: Plan, opts: VerifyOptions, ranks: _Ranks):
     from tqdm import tqdm
 
     pc = plan.pc
-    total = (sum(f.size for f in plan.my_local)
-             + sum(max(pc.data_files[n], 0) for n in plan.my_data_files)
-             + sum(file_size(pc.path / n) for n in plan.my_manifest))
+    total = (
+        sum(f.size for f in plan.my_local)
+        + sum(max(pc.data_files[n], 0) for n in plan.my_data_files)
+        + sum(file_size(pc.path / n) for n in plan.my_manifest)
+    )
     desc = "verify" if ranks.world == 1 else f"verify (rank 0 of {ranks.world})"
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
-                desc=desc)
+    return tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True, desc=desc
+    )
 
 
 def _verifier_error(part: Findings, lf: LocalFile) -> None:
-    part.problems.append(Problem("verifier_error", f"{where(lf)}: {traceback.format_exc()}",
-                                 file=lf.rel, holder_rank=lf.holder_rank, owner_rank=lf.owner_rank,
-                                 role=lf.role, iteration=lf.iteration))
+    part.problems.append(
+        Problem(
+            "verifier_error",
+            f"{where(lf)}: {traceback.format_exc()}",
+            file=lf.rel,
+            holder_rank=lf.holder_rank,
+            owner_rank=lf.owner_rank,
+            role=lf.role,
+            iteration=lf.iteration,
+        )
+    )
 
 
 def _check_mine(plan: Plan, opts: VerifyOptions, ranks: _Ranks) -> Findings:
@@ -198,9 +215,14 @@ def _check_mine(plan: Plan, opts: VerifyOptions, ranks: _Ranks) -> Findings:
             try:
                 check_persistent_file(pc, name, opts, part, step, ra)
             except Exception:  # noqa: BLE001
-                part.problems.append(Problem("verifier_error", f"persistent {name}: "
-                                             f"{traceback.format_exc()}", file=name,
-                                             role="persistent"))
+                part.problems.append(
+                    Problem(
+                        "verifier_error",
+                        f"persistent {name}: {traceback.format_exc()}",
+                        file=name,
+                        role="persistent",
+                    )
+                )
     finally:
         ra.close()
         if bar is not None:
@@ -208,10 +230,14 @@ def _check_mine(plan: Plan, opts: VerifyOptions, ranks: _Ranks) -> Findings:
     return part
 
 
-def verify_checkpoint(local_dir: Optional[PathLike] = None,
-                      persistent_dir: Optional[PathLike] = None, *,
-                      iteration: Optional[int] = None, options: Optional[VerifyOptions] = None,
-                      group: Optional[Any] = None) -> VerifyReport:
+def verify_checkpoint(
+    local_dir: Optional[PathLike] = None,
+    persistent_dir: Optional[PathLike] = None,
+    *,
+    iteration: Optional[int] = None,
+    options: Optional[VerifyOptions] = None,
+    group: Optional[Any] = None,
+) -> VerifyReport:
     """Verify a local checkpoint against a persistent one, or either alone (``docs/verify.md``).
 
     Args:
@@ -247,12 +273,18 @@ def verify_checkpoint(local_dir: Optional[PathLike] = None,
         torch.set_num_threads(saved_threads)
 
 
-def _verify(local_dir: Optional[PathLike], persistent_dir: Optional[PathLike],
-            iteration: Optional[int], opts: VerifyOptions, group: Any) -> VerifyReport:
+def _verify(
+    local_dir: Optional[PathLike],
+    persistent_dir: Optional[PathLike],
+    iteration: Optional[int],
+    opts: VerifyOptions,
+    group: Any,
+) -> VerifyReport:
     t0 = time.perf_counter()
     if local_dir is None and persistent_dir is None:
-        raise CheckpointInputError("nothing to verify: give a local checkpoint directory, a "
-                                   "persistent one, or both")
+        raise CheckpointInputError(
+            "nothing to verify: give a local checkpoint directory, a persistent one, or both"
+        )
     ranks = _Ranks.of(group)
     opts = opts.resolved(with_local=local_dir is not None)
     plan = _open_inputs(local_dir, persistent_dir, iteration, opts, ranks)
@@ -262,7 +294,11 @@ def _verify(local_dir: Optional[PathLike], persistent_dir: Optional[PathLike],
     wall = time.perf_counter() - t0
     bytes_read = sum(p.bytes_read for p in parts)
     data_bytes = sum(f.file_bytes for f in report.files)
-    report.timing = {"wall_s": wall, "workers": ranks.world, "bytes_read": bytes_read,
-                     "file_bytes": data_bytes,
-                     "gb_per_s": data_bytes / wall / 1e9 if wall > 0 else 0.0}
+    report.timing = {
+        "wall_s": wall,
+        "workers": ranks.world,
+        "bytes_read": bytes_read,
+        "file_bytes": data_bytes,
+        "gb_per_s": data_bytes / wall / 1e9 if wall > 0 else 0.0,
+    }
     return report

@@ -36,24 +36,40 @@ def _entry(op: "OpenedLocal", i: int, info: dict, at: str, part: Findings) -> Op
     if op.entries is None or i >= len(op.entries):
         return None
     entry, key, offset = op.entries[i], info["key"], info["global_offset"]
-    if entry.get("key") != key or (offset is not None
-                                   and entry.get("global_offset") not in (None, offset)):
+    if entry.get("key") != key or (
+        offset is not None and entry.get("global_offset") not in (None, offset)
+    ):
         op.res.checksums_failed += 1
-        part.problems.append(Problem(
-            "checksum_mismatch", f"{where(op.lf)}: {at}: checksum record entry #{i} is for "
-            f"'{entry.get('key')}' at {entry.get('global_offset')}", **info))
+        part.problems.append(
+            Problem(
+                "checksum_mismatch",
+                f"{where(op.lf)}: {at}: checksum record entry #{i} is for "
+                f"'{entry.get('key')}' at {entry.get('global_offset')}",
+                **info,
+            )
+        )
         return None
     if entry.get("dtype") != info["dtype"] or list(entry.get("shape", [])) != info["shape"]:
         op.res.checksums_failed += 1
-        part.problems.append(Problem(
-            "checksum_mismatch", f"{where(op.lf)}: {at}: stored as {info['dtype']}{info['shape']}, "
-            f"the owner checksummed {entry.get('dtype')}{entry.get('shape')}", **info))
+        part.problems.append(
+            Problem(
+                "checksum_mismatch",
+                f"{where(op.lf)}: {at}: stored as {info['dtype']}{info['shape']}, "
+                f"the owner checksummed {entry.get('dtype')}{entry.get('shape')}",
+                **info,
+            )
+        )
         return None
     return entry
 
 
-def check_tensor(op: "OpenedLocal", i: int, region: Union[torch.Tensor, str, None],
-                 part: Findings, opts: VerifyOptions) -> None:
+def check_tensor(
+    op: "OpenedLocal",
+    i: int,
+    region: Union[torch.Tensor, str, None],
+    part: Findings,
+    opts: VerifyOptions,
+) -> None:
     """All checks of tensor ``i`` of an opened local file.
 
     Args:
@@ -64,39 +80,66 @@ def check_tensor(op: "OpenedLocal", i: int, region: Union[torch.Tensor, str, Non
     key, t, sh = op.items[i]
     offset = [int(o) for o in sh.global_offset] if sh is not None else None
     if not isinstance(t, torch.Tensor) or is_quantized(t):
-        part.problems.append(Problem("unreadable", f"{where(lf)}: '{key}' is a "
-                                     f"{type(t).__name__}, not a plain tensor", **op.base, key=key))
+        part.problems.append(
+            Problem(
+                "unreadable",
+                f"{where(lf)}: '{key}' is a {type(t).__name__}, not a plain tensor",
+                **op.base,
+                key=key,
+            )
+        )
         if cp is not None:
-            cp.tensors.append((key, None if offset is None else tuple(offset), type(t).__name__, (),
-                               None, None))
+            cp.tensors.append(
+                (key, None if offset is None else tuple(offset), type(t).__name__, (), None, None)
+            )
         return
     prepend = int(sh.prepend_axis_num) if sh is not None else 0
-    info = dict(op.base, key=key, global_offset=offset, prepend_axis_num=prepend,
-                shape=list(t.shape), dtype=ck.dtype_name(t.dtype),
-                nbytes=t.numel() * t.element_size())
+    info = dict(
+        op.base,
+        key=key,
+        global_offset=offset,
+        prepend_axis_num=prepend,
+        shape=list(t.shape),
+        dtype=ck.dtype_name(t.dtype),
+        nbytes=t.numel() * t.element_size(),
+    )
     at = f"'{key}'" + (f" at {offset}" if offset is not None else "")
     t = dense(t)
     entry = _entry(op, i, info, at, part)
     ref = None
     if isinstance(region, torch.Tensor):
         if region.dtype != t.dtype:
-            part.problems.append(Problem(
-                "dtype_mismatch", f"{where(lf)}: {at}: local dtype {info['dtype']}, persistent "
-                f"{ck.dtype_name(region.dtype)}", **info))
+            part.problems.append(
+                Problem(
+                    "dtype_mismatch",
+                    f"{where(lf)}: {at}: local dtype {info['dtype']}, persistent "
+                    f"{ck.dtype_name(region.dtype)}",
+                    **info,
+                )
+            )
         else:
             ref = dense(region.reshape(t.shape))
     elif isinstance(region, str):
-        part.problems.append(Problem("missing_in_persistent", f"{where(lf)}: {at}: {region}",
-                                     **info))
+        part.problems.append(
+            Problem("missing_in_persistent", f"{where(lf)}: {at}: {region}", **info)
+        )
 
     # the checksum of the bytes is always computed: it verifies the stored one and, for files
     # without a record, is what their copies are compared by
-    checksum, equal, maybe_nonfinite = fused_scan(t, ref, want_checksum=True,
-                                                  check_nonfinite=opts.check_nonfinite)
+    checksum, equal, maybe_nonfinite = fused_scan(
+        t, ref, want_checksum=True, check_nonfinite=opts.check_nonfinite
+    )
     if cp is not None:
-        cp.tensors.append((key, None if offset is None else tuple(offset), info["dtype"],
-                           tuple(info["shape"]), entry["checksum"] if entry is not None else None,
-                           checksum))
+        cp.tensors.append(
+            (
+                key,
+                None if offset is None else tuple(offset),
+                info["dtype"],
+                tuple(info["shape"]),
+                entry["checksum"] if entry is not None else None,
+                checksum,
+            )
+        )
     # 1. stored checksum
     if entry is not None:
         if entry.get("algorithm", ck.ALGORITHM) != ck.ALGORITHM:  # e.g. pmix64 (hashed on a GPU)
@@ -105,27 +148,45 @@ def check_tensor(op: "OpenedLocal", i: int, region: Union[torch.Tensor, str, Non
             res.checksums_verified += 1
         else:
             res.checksums_failed += 1
-            part.problems.append(Problem(
-                "checksum_mismatch", f"{where(lf)}: {at}: bytes hash to {checksum:#018x}, the "
-                f"file's record says {entry['checksum']:#018x}", **info,
-                details={"expected_checksum": entry["checksum"], "actual_checksum": checksum}))
+            part.problems.append(
+                Problem(
+                    "checksum_mismatch",
+                    f"{where(lf)}: {at}: bytes hash to {checksum:#018x}, the "
+                    f"file's record says {entry['checksum']:#018x}",
+                    **info,
+                    details={"expected_checksum": entry["checksum"], "actual_checksum": checksum},
+                )
+            )
     # 2. NaN / Inf
     if opts.check_nonfinite:
         res.bytes_scanned += info["nbytes"]
         if maybe_nonfinite:
             nan, inf = count_nonfinite(t)
             res.nonfinite_tensors += 1
-            part.problems.append(Problem("nonfinite", f"{where(lf)}: {at} ({info['dtype']}"
-                                         f"{info['shape']}) holds {nan} NaN and {inf} Inf of "
-                                         f"{t.numel()} elements", **info,
-                                         details={"nan": nan, "inf": inf}))
+            part.problems.append(
+                Problem(
+                    "nonfinite",
+                    f"{where(lf)}: {at} ({info['dtype']}"
+                    f"{info['shape']}) holds {nan} NaN and {inf} Inf of "
+                    f"{t.numel()} elements",
+                    **info,
+                    details={"nan": nan, "inf": inf},
+                )
+            )
     # 3. against the persistent checkpoint
     if ref is not None:
         _compare(op, t, ref, equal, info, at, part)
 
 
-def _compare(op: "OpenedLocal", t: torch.Tensor, ref: torch.Tensor, equal: Optional[bool],
-             info: dict, at: str, part: Findings) -> None:
+def _compare(
+    op: "OpenedLocal",
+    t: torch.Tensor,
+    ref: torch.Tensor,
+    equal: Optional[bool],
+    info: dict,
+    at: str,
+    part: Findings,
+) -> None:
     """Count the comparison with the persistent region ``ref``; a ``value_mismatch`` problem
     (where and how they differ) unless ``equal``."""
     res = op.res
@@ -138,11 +199,13 @@ def _compare(op: "OpenedLocal", t: torch.Tensor, ref: torch.Tensor, equal: Optio
     stats = diff_stats(t, ref, info["global_offset"], info["prepend_axis_num"])
     pnan, pinf = count_nonfinite(ref)
     stats["persistent_nan"], stats["persistent_inf"] = pnan, pinf
-    msg = (f"{where(op.lf)}: {at} ({info['dtype']}{info['shape']}) differs from the persistent "
-           f"checkpoint in {stats['differing_elements']} of {t.numel()} elements; first at global "
-           f"index {stats.get('first_difference_global_index')} (local "
-           f"{stats['first_difference_values'][0]}, persistent "
-           f"{stats['first_difference_values'][1]})")
+    msg = (
+        f"{where(op.lf)}: {at} ({info['dtype']}{info['shape']}) differs from the persistent "
+        f"checkpoint in {stats['differing_elements']} of {t.numel()} elements; first at global "
+        f"index {stats.get('first_difference_global_index')} (local "
+        f"{stats['first_difference_values'][0]}, persistent "
+        f"{stats['first_difference_values'][1]})"
+    )
     if "max_abs_difference" in stats:
         msg += f", max |difference| {stats['max_abs_difference']:.6g}"
     part.problems.append(Problem("value_mismatch", msg, **info, details=stats))
@@ -171,20 +234,34 @@ def check_objects(op: "OpenedLocal", part: Findings, pc: PersistentCheckpoint) -
         p = got.get(o.unique_key)
         if isinstance(p, KeyError):
             res.objects_skipped += 1
-            part.warnings.append(Problem("object_not_compared", f"{where(lf)}: object "
-                                         f"'{o.unique_key}' is not in the persistent checkpoint",
-                                         **info))
+            part.warnings.append(
+                Problem(
+                    "object_not_compared",
+                    f"{where(lf)}: object '{o.unique_key}' is not in the persistent checkpoint",
+                    **info,
+                )
+            )
             continue
         if isinstance(p, BaseException):
-            part.problems.append(Problem("unreadable", f"persistent object '{o.unique_key}' "
-                                         f"cannot be read: {type(p).__name__}: {p}", **info))
+            part.problems.append(
+                Problem(
+                    "unreadable",
+                    f"persistent object '{o.unique_key}' cannot be read: {type(p).__name__}: {p}",
+                    **info,
+                )
+            )
             continue
         # megatron-core's torch_dist strategy stores a ShardedObject as ``torch.save([data, ...])``
         # of the objects with this unique key on the saving rank (one, or identical duplicates)
         if not isinstance(p, list) or not p:
-            part.problems.append(Problem("object_mismatch", f"persistent object '{o.unique_key}' "
-                                         f"is a {type(p).__name__}, expected a non-empty list",
-                                         **info))
+            part.problems.append(
+                Problem(
+                    "object_mismatch",
+                    f"persistent object '{o.unique_key}' "
+                    f"is a {type(p).__name__}, expected a non-empty list",
+                    **info,
+                )
+            )
             continue
         p = p[0]
         res.objects_compared += 1
@@ -192,5 +269,10 @@ def check_objects(op: "OpenedLocal", part: Findings, pc: PersistentCheckpoint) -
         if d is None:
             res.objects_equal += 1
         else:
-            part.problems.append(Problem("object_mismatch", f"{where(lf)}: object '{o.unique_key}' "
-                                         f"differs from the persistent one: {d}", **info))
+            part.problems.append(
+                Problem(
+                    "object_mismatch",
+                    f"{where(lf)}: object '{o.unique_key}' differs from the persistent one: {d}",
+                    **info,
+                )
+            )

@@ -85,7 +85,7 @@ def count_nonfinite(t: torch.Tensor) -> Tuple[int, int]:
     flat = _float_view(dense(t)).reshape(-1)
     nan = inf = 0
     for s in range(0, flat.numel(), _CHUNK_ELEMS):
-        c = flat[s:s + _CHUNK_ELEMS]
+        c = flat[s : s + _CHUNK_ELEMS]
         try:
             mn, mx = torch.aminmax(c)
         except (RuntimeError, NotImplementedError):
@@ -98,8 +98,9 @@ def count_nonfinite(t: torch.Tensor) -> Tuple[int, int]:
     return nan, inf
 
 
-def diff_stats(a: torch.Tensor, b: torch.Tensor, global_offset: Sequence[int],
-               prepend: int) -> Dict[str, Any]:
+def diff_stats(
+    a: torch.Tensor, b: torch.Tensor, global_offset: Sequence[int], prepend: int
+) -> Dict[str, Any]:
     """Where two same-dtype, same-shape tensors differ: number of differing elements, the first
     differing element's global index, and (floating point) the largest absolute difference among
     differing elements that are finite on both sides."""
@@ -109,7 +110,7 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor, global_offset: Sequence[int],
     fb = b.reshape(-1).view(torch.uint8).view(-1, size) if b.numel() else b.reshape(-1)
     n_diff, first, max_abs = 0, None, None
     for s in range(0, a.numel(), _CHUNK_ELEMS):
-        m = (fa[s:s + _CHUNK_ELEMS] != fb[s:s + _CHUNK_ELEMS]).any(dim=1)
+        m = (fa[s : s + _CHUNK_ELEMS] != fb[s : s + _CHUNK_ELEMS]).any(dim=1)
         k = int(m.sum())
         if not k:
             continue
@@ -117,8 +118,8 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor, global_offset: Sequence[int],
         if first is None:
             first = s + int(m.nonzero()[0, 0])
         if a.is_floating_point() or a.is_complex():
-            va = a.reshape(-1)[s:s + _CHUNK_ELEMS][m]
-            vb = b.reshape(-1)[s:s + _CHUNK_ELEMS][m]
+            va = a.reshape(-1)[s : s + _CHUNK_ELEMS][m]
+            vb = b.reshape(-1)[s : s + _CHUNK_ELEMS][m]
             wide = torch.complex128 if a.is_complex() else torch.float64
             try:
                 va, vb = va.to(wide), vb.to(wide)
@@ -137,10 +138,13 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor, global_offset: Sequence[int],
             rem //= dim
         local.reverse()
         gidx = list(global_offset[:prepend]) + [
-            int(o) + int(i) for o, i in zip(global_offset[prepend:], local)]
+            int(o) + int(i) for o, i in zip(global_offset[prepend:], local)
+        ]
         out["first_difference_global_index"] = gidx
-        out["first_difference_values"] = [_scalar(a.reshape(-1)[first]),
-                                          _scalar(b.reshape(-1)[first])]
+        out["first_difference_values"] = [
+            _scalar(a.reshape(-1)[first]),
+            _scalar(b.reshape(-1)[first]),
+        ]
     if max_abs is not None:
         out["max_abs_difference"] = max_abs
     return out
@@ -224,9 +228,13 @@ def deep_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
         return f"{where}: cannot compare {type(a).__name__}"
 
 
-def fused_scan(t: torch.Tensor, ref: Optional[torch.Tensor] = None, want_checksum: bool = True,
-               check_nonfinite: bool = True, block_bytes: int = SCAN_BLOCK_BYTES
-               ) -> Tuple[Optional[int], Optional[bool], bool]:
+def fused_scan(
+    t: torch.Tensor,
+    ref: Optional[torch.Tensor] = None,
+    want_checksum: bool = True,
+    check_nonfinite: bool = True,
+    block_bytes: int = SCAN_BLOCK_BYTES,
+) -> Tuple[Optional[int], Optional[bool], bool]:
     """One pass over a tensor's bytes, block by block (each block stays in cache for all checks):
     xxh3 checksum (streamed; equal to :func:`megatron.integrity.checksums.tensor_checksum`),
     ``memcmp`` against ``ref`` and a NaN/Inf test (``aminmax`` per block).
@@ -259,11 +267,11 @@ def fused_scan(t: torch.Tensor, ref: Optional[torch.Tensor] = None, want_checksu
     for s in range(0, n, block):
         m = min(block, n - s)
         if hasher is not None:
-            hasher.update(mv[s:s + m])
+            hasher.update(mv[s : s + m])
         if equal and _memcmp(ptr + s, rptr + s, m) != 0:
             equal = False
         if fl is not None and not nonfinite:
-            c = fl[s // fes:(s + m) // fes]
+            c = fl[s // fes : (s + m) // fes]
             try:
                 mn, mx = torch.aminmax(c)
             except (RuntimeError, NotImplementedError):

@@ -51,9 +51,15 @@ CALLS = {
     ("torch.nn.functional", "dropout"): lambda d: F.dropout(ones(d, 64), 0.5),
     ("torch", "dropout_"): lambda d: torch.dropout_(ones(d, 64), 0.5, True),
     ("Tensor", "exponential_"): lambda d: ones(d, 64).exponential_(),
-    ("torch", "feature_alpha_dropout"): lambda d: torch.feature_alpha_dropout(ones(d, 4, 8, 2), 0.5, True),
-    ("torch.nn.functional", "feature_alpha_dropout"): lambda d: F.feature_alpha_dropout(ones(d, 4, 8, 2), 0.5, True),
-    ("torch", "feature_alpha_dropout_"): lambda d: torch.feature_alpha_dropout_(ones(d, 4, 8, 2), 0.5, True),
+    ("torch", "feature_alpha_dropout"): lambda d: torch.feature_alpha_dropout(
+        ones(d, 4, 8, 2), 0.5, True
+    ),
+    ("torch.nn.functional", "feature_alpha_dropout"): lambda d: F.feature_alpha_dropout(
+        ones(d, 4, 8, 2), 0.5, True
+    ),
+    ("torch", "feature_alpha_dropout_"): lambda d: torch.feature_alpha_dropout_(
+        ones(d, 4, 8, 2), 0.5, True
+    ),
     ("torch", "feature_dropout"): lambda d: torch.feature_dropout(ones(d, 4, 8, 2), 0.5, True),
     ("torch", "feature_dropout_"): lambda d: torch.feature_dropout_(ones(d, 4, 8, 2), 0.5, True),
     ("Tensor", "geometric_"): lambda d: ones(d, 64).geometric_(0.5),
@@ -78,18 +84,30 @@ CALLS = {
     ("torch.nn.functional", "rrelu"): lambda d: F.rrelu(-ones(d, 64), training=True),
     ("torch", "rrelu_"): lambda d: torch.rrelu_(-ones(d, 64), training=True),
     ("torch.nn.functional", "rrelu_"): lambda d: F.rrelu_(-ones(d, 64), training=True),
-    ("torch._C._nn", "rrelu_with_noise"): lambda d: torch._C._nn.rrelu_with_noise(-ones(d, 64), ones(d, 64), training=True),
-    ("torch._C._nn", "rrelu_with_noise_"): lambda d: torch._C._nn.rrelu_with_noise_(-ones(d, 64), ones(d, 64), training=True),
+    ("torch._C._nn", "rrelu_with_noise"): lambda d: torch._C._nn.rrelu_with_noise(
+        -ones(d, 64), ones(d, 64), training=True
+    ),
+    ("torch._C._nn", "rrelu_with_noise_"): lambda d: torch._C._nn.rrelu_with_noise_(
+        -ones(d, 64), ones(d, 64), training=True
+    ),
     ("torch.nn.functional", "scaled_dot_product_attention"): sdpa,
-    ("torch._C._nn", "scaled_dot_product_attention"): lambda d: torch._C._nn.scaled_dot_product_attention(*[ones(d, 1, 2, 4, 8)] * 3, dropout_p=0.5),
+    (
+        "torch._C._nn",
+        "scaled_dot_product_attention",
+    ): lambda d: torch._C._nn.scaled_dot_product_attention(
+        *[ones(d, 1, 2, 4, 8)] * 3, dropout_p=0.5
+    ),
     ("torch.nn.init", "uniform"): lambda d: torch.nn.init.uniform(ones(d, 8, 8)),
     ("Tensor", "uniform_"): lambda d: ones(d, 64).uniform_(),
     ("torch.nn.init", "uniform_"): lambda d: torch.nn.init.uniform_(ones(d, 8, 8)),
 }
 #: Bindings not called here, and why. Membership in random_callables() is still required.
 NOT_CALLED = {
-    "gru": "needs a weight list", "lstm": "needs a weight list", "rnn_relu": "needs a weight list",
-    "rnn_tanh": "needs a weight list", "miopen_rnn": "ROCm only",
+    "gru": "needs a weight list",
+    "lstm": "needs a weight list",
+    "rnn_relu": "needs a weight list",
+    "rnn_tanh": "needs a weight list",
+    "miopen_rnn": "ROCm only",
 }
 # Python wrappers that call seeded ops inside (found by runtime.random_callables()); one call each.
 WRAPPERS = {
@@ -97,14 +115,36 @@ WRAPPERS = {
     "torch.nn.functional.dropout2d": lambda d: F.dropout2d(ones(d, 4, 8, 2), 0.5),
     "torch.nn.functional.dropout3d": lambda d: F.dropout3d(ones(d, 4, 8, 2, 2), 0.5),
     "torch.nn.functional.gumbel_softmax": lambda d: F.gumbel_softmax(ones(d, 4, 8)),
-    "torch.nn.functional.fractional_max_pool2d": lambda d: F.fractional_max_pool2d(ones(d, 1, 1, 8, 8), 2, output_size=4),
-    "torch.nn.functional.fractional_max_pool2d_with_indices": lambda d: F.fractional_max_pool2d_with_indices(ones(d, 1, 1, 8, 8), 2, output_size=4),
-    "torch.nn.functional.fractional_max_pool3d": lambda d: F.fractional_max_pool3d(ones(d, 1, 1, 8, 8, 8), 2, output_size=4),
-    "torch.nn.functional.fractional_max_pool3d_with_indices": lambda d: F.fractional_max_pool3d_with_indices(ones(d, 1, 1, 8, 8, 8), 2, output_size=4),
-    "torch.nn.functional.rrelu_with_noise": None, "torch.nn.functional.rrelu_with_noise_": None,
+    "torch.nn.functional.fractional_max_pool2d": lambda d: F.fractional_max_pool2d(
+        ones(d, 1, 1, 8, 8), 2, output_size=4
+    ),
+    "torch.nn.functional.fractional_max_pool2d_with_indices": lambda d: F.fractional_max_pool2d_with_indices(
+        ones(d, 1, 1, 8, 8), 2, output_size=4
+    ),
+    "torch.nn.functional.fractional_max_pool3d": lambda d: F.fractional_max_pool3d(
+        ones(d, 1, 1, 8, 8, 8), 2, output_size=4
+    ),
+    "torch.nn.functional.fractional_max_pool3d_with_indices": lambda d: F.fractional_max_pool3d_with_indices(
+        ones(d, 1, 1, 8, 8, 8), 2, output_size=4
+    ),
+    "torch.nn.functional.rrelu_with_noise": None,
+    "torch.nn.functional.rrelu_with_noise_": None,
     "torch.nn.functional.multi_head_attention_forward": lambda d: F.multi_head_attention_forward(
-        ones(d, 3, 1, 8), ones(d, 3, 1, 8), ones(d, 3, 1, 8), 8, 2, ones(d, 24, 8), ones(d, 24), None, None,
-        False, 0.5, ones(d, 8, 8), ones(d, 8), training=True),
+        ones(d, 3, 1, 8),
+        ones(d, 3, 1, 8),
+        ones(d, 3, 1, 8),
+        8,
+        2,
+        ones(d, 24, 8),
+        ones(d, 24),
+        None,
+        None,
+        False,
+        0.5,
+        ones(d, 8, 8),
+        ones(d, 8),
+        training=True,
+    ),
     "torch.nn.init.kaiming_normal_": lambda d: torch.nn.init.kaiming_normal_(ones(d, 8, 8)),
     "torch.nn.init.kaiming_uniform_": lambda d: torch.nn.init.kaiming_uniform_(ones(d, 8, 8)),
     "torch.nn.init.xavier_normal_": lambda d: torch.nn.init.xavier_normal_(ones(d, 8, 8)),
@@ -154,11 +194,26 @@ for name in sorted(runtime.seeded_aten_ops()):
 for f in randoms:
     mod = getattr(f, "__module__", "") or ""
     full = f"{mod}.{f.__name__}"
-    if mod in ("torch.nn.functional", "torch.nn.init") and not f.__name__.startswith("_") \
-            and (mod, f.__name__) not in CALLS and full not in WRAPPERS and \
-            not (mod == "torch.nn.init" and f.__name__ in ("normal", "uniform", "xavier_uniform",
-                                                            "xavier_normal", "kaiming_uniform",
-                                                            "kaiming_normal", "sparse", "orthogonal")):
+    if (
+        mod in ("torch.nn.functional", "torch.nn.init")
+        and not f.__name__.startswith("_")
+        and (mod, f.__name__) not in CALLS
+        and full not in WRAPPERS
+        and not (
+            mod == "torch.nn.init"
+            and f.__name__
+            in (
+                "normal",
+                "uniform",
+                "xavier_uniform",
+                "xavier_normal",
+                "kaiming_uniform",
+                "kaiming_normal",
+                "sparse",
+                "orthogonal",
+            )
+        )
+    ):
         if f.__name__ not in {n for (_, n) in CALLS}:
             failures.append(f"{full}: random wrapper with no call in this test (add one)")
 
@@ -183,14 +238,21 @@ tracker.add("stream", 99)
 def advanced(call, dev, in_fork):
     torch.manual_seed(1)
     torch.cuda.manual_seed(2)
-    cpu0, gpu0, trk0 = torch.get_rng_state(), torch.cuda.get_rng_state(), tracker.get_states()["stream"].clone()
+    cpu0, gpu0, trk0 = (
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state(),
+        tracker.get_states()["stream"].clone(),
+    )
     if in_fork:
         with tracker.fork("stream"):
             call(dev)
     else:
         call(dev)
-    return (not torch.equal(cpu0, torch.get_rng_state()), not torch.equal(gpu0, torch.cuda.get_rng_state()),
-            not torch.equal(trk0, tracker.get_states()["stream"]))
+    return (
+        not torch.equal(cpu0, torch.get_rng_state()),
+        not torch.equal(gpu0, torch.cuda.get_rng_state()),
+        not torch.equal(trk0, tracker.get_states()["stream"]),
+    )
 
 
 calls = {f"{a}.{b}": c for (a, b), c in CALLS.items()}
@@ -205,15 +267,19 @@ for label, call in sorted(calls.items()):
         if label in ALSO_HOST:
             want = (True, not in_fork, in_fork)
         if (cpu, gpu, trk) != want:
-            failures.append(f"{label} on a GPU tensor{' in a fork' if in_fork else ''}: advanced "
-                            f"cpu={cpu} cuda={gpu} tracker={trk}, expected cpu=False "
-                            f"cuda={not in_fork} tracker={in_fork}")
+            failures.append(
+                f"{label} on a GPU tensor{' in a fork' if in_fork else ''}: advanced "
+                f"cpu={cpu} cuda={gpu} tracker={trk}, expected cpu=False "
+                f"cuda={not in_fork} tracker={in_fork}"
+            )
         if in_fork and warned.count != warned_before and label not in ALSO_HOST:
             failures.append(f"{label}: upstream warned about a CPU draw inside a GPU RNG fork")
         cpu, gpu, trk = advanced(call, None, in_fork)
         if (cpu, gpu, trk) != (True, False, False):
-            failures.append(f"{label} on a host tensor: advanced cpu={cpu} cuda={gpu} tracker={trk}, "
-                            "expected the CPU generator only")
+            failures.append(
+                f"{label} on a host tensor: advanced cpu={cpu} cuda={gpu} tracker={trk}, "
+                "expected the CPU generator only"
+            )
         checked += 1
 
 # 3. guard: upstream's fork check does see a CPU draw (so the absence of warnings above means something)

@@ -17,4 +17,6 @@ BODY = Path(__file__).with_name("rng_routing_body.py")
 @pytest.mark.slow
 def test_every_random_op_draws_from_its_devices_generator():
     out = subprocess.run([sys.executable, str(BODY)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("OK"), out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("OK"), (
+        out.stdout[-4000:] + out.stderr[-2000:]
+    )

@@ -64,7 +64,9 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_cpu_runtime_in_subprocess():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-4000:]
 
 

@@ -28,9 +28,16 @@ def _setup(fixed: bool):
     runtime.activate()
     from megatron.training import global_vars
 
-    global_vars.set_args(types.SimpleNamespace(
-        async_save=True, async_strategy="nvrx", use_persistent_ckpt_worker=True,
-        async_ckpt_use_cpu_shm=True, async_ckpt_cpu_priority=10, async_ckpt_io_priority=None))
+    global_vars.set_args(
+        types.SimpleNamespace(
+            async_save=True,
+            async_strategy="nvrx",
+            use_persistent_ckpt_worker=True,
+            async_ckpt_use_cpu_shm=True,
+            async_ckpt_cpu_priority=10,
+            async_ckpt_io_priority=None,
+        )
+    )
 
 
 def _state(rank: int, world: int, key: str, per_rank: int, value: float) -> dict:
@@ -48,8 +55,13 @@ def _request(state: dict, directory: Path):
     if torch.distributed.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
-    return dist_checkpointing.save(state, str(directory), TorchDistSaveShardedStrategy(cpu_shm_mode=True),
-                                   async_sharded_save=True, async_strategy="nvrx")
+    return dist_checkpointing.save(
+        state,
+        str(directory),
+        TorchDistSaveShardedStrategy(cpu_shm_mode=True),
+        async_sharded_save=True,
+        async_strategy="nvrx",
+    )
 
 
 def _results_queue():
@@ -65,10 +77,9 @@ def save_abort_save_load(rank: int, world: int, tmp: Path, fixed: bool) -> None:
     its values equal what was saved (bitwise), the error otherwise, and what was left in the
     results queue."""
     _setup(fixed)
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
     from megatron.core import dist_checkpointing
     from megatron.training import async_utils
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     async_utils.init_persistent_async_worker(rank, "forkserver")
     async_utils.schedule_async_save(_request(_state(rank, world, "a", 4, 1.0), tmp / "a"))
@@ -90,8 +101,13 @@ def save_abort_save_load(rank: int, world: int, tmp: Path, fixed: bool) -> None:
     expected = saved["b"].data.clone()
     async_utils.schedule_async_save(_request(saved, tmp / "b"))
     async_utils.maybe_finalize_async_save(blocking=True)
-    result = {"fixed": fixed, "loaded": False, "bitwise": False, "error": None,
-              "left_in_queue": _results_queue().qsize()}
+    result = {
+        "fixed": fixed,
+        "loaded": False,
+        "bitwise": False,
+        "error": None,
+        "left_in_queue": _results_queue().qsize(),
+    }
     try:
         template = _state(rank, world, "b", 6, -1.0)
         loaded = dist_checkpointing.load(template, str(tmp / "b"))

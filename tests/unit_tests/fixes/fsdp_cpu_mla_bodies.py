@@ -24,11 +24,25 @@ def _mla_layers():
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     cfg = MLATransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8,
-        qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, attention_dropout=0.0,
-        hidden_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        rope_type="rope", bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        rope_type="rope",
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
     spec = get_gpt_layer_local_spec(multi_latent_attention=True)
     try:
         build_module(spec, config=cfg, layer_number=1)
@@ -49,8 +63,14 @@ def _mla_layers():
         for name, p in fused.named_parameters():
             if name.endswith("linear_qkv_down_proj.weight"):
                 head = name[: -len("linear_qkv_down_proj.weight")]
-                p.copy_(torch.cat([src[head + "linear_q_down_proj.weight"],
-                                   src[head + "linear_kv_down_proj.weight"]]))
+                p.copy_(
+                    torch.cat(
+                        [
+                            src[head + "linear_q_down_proj.weight"],
+                            src[head + "linear_kv_down_proj.weight"],
+                        ]
+                    )
+                )
             else:
                 p.copy_(src[name])
     x = torch.randn(5, 2, 32)
@@ -81,21 +101,40 @@ def _mla_gpt_config(fused: bool):
     from megatron.training.models.gpt import GPTModelConfig
 
     cfg = MLATransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8,
-        qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, attention_dropout=0.0,
-        hidden_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        rope_type="rope", bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        transformer_impl="local", mtp_num_layers=1, mla_down_proj_fusion=fused)
-    return GPTModelConfig(transformer=cfg, vocab_size=64, seq_length=16,
-                          position_embedding_type="rope")
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        rope_type="rope",
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        transformer_impl="local",
+        mtp_num_layers=1,
+        mla_down_proj_fusion=fused,
+    )
+    return GPTModelConfig(
+        transformer=cfg, vocab_size=64, seq_length=16, position_embedding_type="rope"
+    )
 
 
 def _gpt_builder_mla_mtp():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.multi_latent_attention import (
-        FusedMLASelfAttention, MLASelfAttention)
+        FusedMLASelfAttention,
+        MLASelfAttention,
+    )
     from megatron.training.models.gpt import GPTModelBuilder
 
     from megatron.cpu import specs
@@ -111,8 +150,9 @@ def _gpt_builder_mla_mtp():
     except TypeError as e:
         assert "k_channels" in str(e), e
     else:
-        raise AssertionError("upstream built MLA from the local spec: adapt_model_config may be "
-                             "unnecessary")
+        raise AssertionError(
+            "upstream built MLA from the local spec: adapt_model_config may be unnecessary"
+        )
 
     for fused, cls in ((True, FusedMLASelfAttention), (False, MLASelfAttention)):
         model_cfg = _mla_gpt_config(fused)

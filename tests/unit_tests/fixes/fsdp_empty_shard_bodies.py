@@ -14,11 +14,14 @@ import types
 
 import torch
 import torch.distributed as dist
-
 from fsdp_fake_model import Env, _dtensor, truth
 
-SPECS = {"a": ((4, 3), [0, 4, 4]), "b": ((6, 2), [0, 3, 6]), "c": ((5,), [0, 0, 5]),
-         "e": ((2,), [0, 2, 2])}
+SPECS = {
+    "a": ((4, 3), [0, 4, 4]),
+    "b": ((6, 2), [0, 3, 6]),
+    "c": ((5,), [0, 0, 5]),
+    "e": ((2,), [0, 2, 2]),
+}
 
 
 def make_optimizer(env: Env, salt: str = ""):
@@ -53,13 +56,16 @@ def train_step(params: dict, iteration: int, optimizer) -> None:
 
 def _dtensors(sd) -> list:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        filter_unflattened_state_dict)
+        filter_unflattened_state_dict,
+    )
     from torch.distributed.tensor import DTensor
 
     # exactly the walk upstream's preprocess_state_dict_for_uneven_dtensor does, one
     # all_gather_object per entry
-    return sorted(".".join(k) for k in filter_unflattened_state_dict(
-        sd, visit_condition=lambda x: isinstance(x, DTensor)))
+    return sorted(
+        ".".join(k)
+        for k in filter_unflattened_state_dict(sd, visit_condition=lambda x: isinstance(x, DTensor))
+    )
 
 
 def _gather(obj):
@@ -93,9 +99,9 @@ def upstream_keys_differ(rank: int, world: int) -> None:
 
 def _save(root: str, params: dict, optimizer_sd: dict) -> None:
     import torch.distributed.checkpoint as dcp
-
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        preprocess_state_dict_for_uneven_dtensor)
+        preprocess_state_dict_for_uneven_dtensor,
+    )
 
     sd = {"model": dict(params), "optimizer": optimizer_sd}
     preprocess_state_dict_for_uneven_dtensor(sd)
@@ -107,15 +113,20 @@ def _local_state(opt, params) -> dict:
     out = {}
     for name, p in params.items():
         st = opt.optimizer.state.get(p, {})
-        out[name] = {k: (v._local_tensor if hasattr(v, "_local_tensor") else v).clone()
-                     for k, v in st.items()}
+        out[name] = {
+            k: (v._local_tensor if hasattr(v, "_local_tensor") else v).clone()
+            for k, v in st.items()
+        }
     return out
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaN and -0.0 aware)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def fixed_roundtrip(rank: int, world: int, root: str) -> None:
@@ -123,10 +134,11 @@ def fixed_roundtrip(rank: int, world: int, root: str) -> None:
     placeholders is refreshed at every save, load + one more step is bitwise equal to continuing
     the original, and disagreeing steps raise on every rank."""
     import torch.distributed.checkpoint as dcp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
     from torch.distributed.tensor import DTensor
 
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        preprocess_state_dict_for_uneven_dtensor)
     from megatron.fixes import fsdp_dtensor as fx
 
     fx.FIX.apply()
@@ -160,8 +172,9 @@ def fixed_roundtrip(rank: int, world: int, root: str) -> None:
 
         dcp_to_torch_save(f"{root}/it2", f"{root}/it2.pt")
         disk = torch.load(f"{root}/it2.pt", weights_only=False)
-        assert {n: float(v["step"]) for n, v in disk["optimizer"]["state"].items()} == \
-            {n: 2.0 for n in SPECS}
+        assert {n: float(v["step"]) for n, v in disk["optimizer"]["state"].items()} == {
+            n: 2.0 for n in SPECS
+        }
     dist.barrier()
 
     # load into an optimizer with other values and no state

@@ -26,10 +26,10 @@ import zlib
 
 import torch
 
-H = 4            # hidden size
-Q_LORA = 4       # q_lora_rank
-KV_LORA = 4      # kv_lora_rank
-POS = 2          # qk_pos_emb_head_dim
+H = 4  # hidden size
+Q_LORA = 4  # q_lora_rank
+KV_LORA = 4  # kv_lora_rank
+POS = 2  # qk_pos_emb_head_dim
 KV = KV_LORA + POS
 LAYERS = ("decoder.layers.0", "mtp.layers.0")
 
@@ -93,9 +93,8 @@ class Env:
     """Per-rank mesh and dist index: mesh (dp_shard, tp), TP fastest like Megatron's rank order."""
 
     def __init__(self, tp: int):
-        from torch.distributed.device_mesh import init_device_mesh
-
         from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import FSDPDistributedIndex
+        from torch.distributed.device_mesh import init_device_mesh
 
         world = torch.distributed.get_world_size()
         self.tp, self.dp = tp, world // tp
@@ -108,15 +107,21 @@ class Env:
 def _dtensor(env: Env, tp_local: torch.Tensor, column: bool, cuts: list[int]):
     """(DTensor of this rank's rows of ``tp_local``, fsdp slice)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
-        make_fsdp_dtensor)
+        make_fsdp_dtensor,
+    )
 
     row = tp_local[0].numel() if tp_local.dim() > 1 else 1
     r0, r1 = cuts[env.dp_rank], cuts[env.dp_rank + 1]
     meta = torch.empty(tp_local.shape, device="meta")
     if column:
         meta.tensor_model_parallel, meta.partition_dim, meta.partition_stride = True, 0, 1
-    dt = make_fsdp_dtensor(tp_local[r0:r1].clone(), meta, dist_index=env.dist_index,
-                           run_check=False, update_uneven_dtensor_chunk_meta=False)
+    dt = make_fsdp_dtensor(
+        tp_local[r0:r1].clone(),
+        meta,
+        dist_index=env.dist_index,
+        run_check=False,
+        update_uneven_dtensor_chunk_meta=False,
+    )
     return dt, slice(r0 * row, r1 * row)
 
 
@@ -133,8 +138,16 @@ class FakeModel:
         q_lora: q_lora_rank (a different value makes a shape mismatch).
     """
 
-    def __init__(self, env: Env, fused: bool, fill: str = "truth", shard: str = "even",
-                 q_lora: int = Q_LORA, lr: float = 0.5, step: float = 7.0):
+    def __init__(
+        self,
+        env: Env,
+        fused: bool,
+        fill: str = "truth",
+        shard: str = "even",
+        q_lora: int = Q_LORA,
+        lr: float = 0.5,
+        step: float = 7.0,
+    ):
         self.env, self.fused, self.q_lora, self.shard = env, fused, q_lora, shard
         salt = "" if fill == "truth" else "init"
         self.gpt = Box()
@@ -142,9 +155,13 @@ class FakeModel:
         self.params: dict[str, torch.nn.Parameter] = {}
         self.opt_state: dict[str, dict] = {}
         self.meta: dict[str, dict] = {}
-        config = types.SimpleNamespace(q_lora_rank=q_lora, kv_lora_rank=KV_LORA,
-                                       qk_pos_emb_head_dim=POS, num_moe_experts=None,
-                                       gated_linear_unit=False)
+        config = types.SimpleNamespace(
+            q_lora_rank=q_lora,
+            kv_lora_rank=KV_LORA,
+            qk_pos_emb_head_dim=POS,
+            num_moe_experts=None,
+            gated_linear_unit=False,
+        )
         tp, t = env.tp, env.tp_rank
         qt, kvt = q_lora // tp, KV // tp
         for i, layer in enumerate(LAYERS):
@@ -162,38 +179,62 @@ class FakeModel:
                 return truth(key, shape, kind, _salt)
 
             if fused:
+
                 def fused_local(kind, _q=q_key, _kv=kv_key):
                     q = logical(_q, (q_lora, H), kind)
                     kv = logical(_kv, (KV, H), kind)
-                    return torch.cat([q[t * qt:(t + 1) * qt], kv[t * kvt:(t + 1) * kvt]])
-                self._add(f"{live}.self_attention.linear_qkv_down_proj.weight", fused_local,
-                          column=True, cuts=cuts_for(qt + kvt, env.dp, shard, qt))
-                self._add(f"{live}.self_attention.linear_qkv_down_proj.layer_norm_weight",
-                          lambda kind, _k=ln_key: logical(_k, (H,), kind), column=False,
-                          cuts=cuts_for(H, env.dp, "empty_first", 1))
+                    return torch.cat([q[t * qt : (t + 1) * qt], kv[t * kvt : (t + 1) * kvt]])
+
+                self._add(
+                    f"{live}.self_attention.linear_qkv_down_proj.weight",
+                    fused_local,
+                    column=True,
+                    cuts=cuts_for(qt + kvt, env.dp, shard, qt),
+                )
+                self._add(
+                    f"{live}.self_attention.linear_qkv_down_proj.layer_norm_weight",
+                    lambda kind, _k=ln_key: logical(_k, (H,), kind),
+                    column=False,
+                    cuts=cuts_for(H, env.dp, "empty_first", 1),
+                )
             else:
-                self._add(f"{live}.self_attention.linear_q_down_proj.weight",
-                          lambda kind, _k=q_key: logical(_k, (q_lora, H), kind), column=False,
-                          cuts=cuts_for(q_lora, env.dp, "even" if i else "last_all", 0))
-                self._add(f"{live}.self_attention.linear_kv_down_proj.weight",
-                          lambda kind, _k=kv_key: logical(_k, (KV, H), kind), column=False,
-                          cuts=cuts_for(KV, env.dp, "empty_first", 2))
-                self._add(f"{live}.input_layernorm.weight",
-                          lambda kind, _k=ln_key: logical(_k, (H,), kind), column=False,
-                          cuts=cuts_for(H, env.dp, "even", 0))
+                self._add(
+                    f"{live}.self_attention.linear_q_down_proj.weight",
+                    lambda kind, _k=q_key: logical(_k, (q_lora, H), kind),
+                    column=False,
+                    cuts=cuts_for(q_lora, env.dp, "even" if i else "last_all", 0),
+                )
+                self._add(
+                    f"{live}.self_attention.linear_kv_down_proj.weight",
+                    lambda kind, _k=kv_key: logical(_k, (KV, H), kind),
+                    column=False,
+                    cuts=cuts_for(KV, env.dp, "empty_first", 2),
+                )
+                self._add(
+                    f"{live}.input_layernorm.weight",
+                    lambda kind, _k=ln_key: logical(_k, (H,), kind),
+                    column=False,
+                    cuts=cuts_for(H, env.dp, "even", 0),
+                )
             fc2 = f"{disk}.mlp.linear_fc2.weight"
-            self._add(f"{live}.mlp.linear_fc2.weight",
-                      lambda kind, _k=fc2: logical(_k, (H, H), kind), column=False,
-                      cuts=cuts_for(H, env.dp, "straddle", 2))
-        self._add("mtp.layers.0.enorm.weight",
-                  lambda kind: truth("mtp.layers.0.enorm.weight", (H,), kind, salt),
-                  column=False, cuts=cuts_for(H, env.dp, "last_all", 0))
+            self._add(
+                f"{live}.mlp.linear_fc2.weight",
+                lambda kind, _k=fc2: logical(_k, (H, H), kind),
+                column=False,
+                cuts=cuts_for(H, env.dp, "straddle", 2),
+            )
+        self._add(
+            "mtp.layers.0.enorm.weight",
+            lambda kind: truth("mtp.layers.0.enorm.weight", (H,), kind, salt),
+            column=False,
+            cuts=cuts_for(H, env.dp, "last_all", 0),
+        )
         inner = Box()
         inner.module = self.gpt
         self.wrapper = Box()
         self.wrapper.module = inner
         for name, p in self.wrapper.named_parameters():
-            short = name[len("module.module."):]
+            short = name[len("module.module.") :]
             self.params[name] = p
             self.opt_state[name] = {
                 "exp_avg": self._opt[short]["exp_avg"],
@@ -217,21 +258,25 @@ class FakeModel:
         self._opt = getattr(self, "_opt", {})
         self._opt[live_name] = {
             k: _dtensor(env, self.expected[live_name][k], column, cuts)[0]
-            for k in ("exp_avg", "exp_avg_sq")}
+            for k in ("exp_avg", "exp_avg_sq")
+        }
         self._cuts = getattr(self, "_cuts", {})
         self._cuts[live_name] = cuts
 
     # ---- state dicts -----------------------------------------------------------------------
     def model_state_dict(self) -> dict:
-        return {name[len("module."):]: p.detach() for name, p in self.params.items()}
+        return {name[len("module.") :]: p.detach() for name, p in self.params.items()}
 
     def optimizer_state_dict(self) -> dict:
         return {"state": self.opt_state, "param_to_group_meta": self.meta}
 
     def full_state_dict(self) -> dict:
-        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict(),
-                "iteration": 1, "checkpoint_version": 3.0}
-
+        return {
+            "model": self.model_state_dict(),
+            "optimizer": self.optimizer_state_dict(),
+            "iteration": 1,
+            "checkpoint_version": 3.0,
+        }
 
 
 def mismatches(model: FakeModel, reference: FakeModel, optimizer: bool = True) -> list[str]:
@@ -255,9 +300,17 @@ def mismatches(model: FakeModel, reference: FakeModel, optimizer: bool = True) -
 
 def make_args(**overrides):
     args = types.SimpleNamespace(
-        swiglu=False, num_experts=None, use_megatron_fsdp=True, strict_fsdp_dtensor_load=True,
-        dist_ckpt_strictness="assume_ok_unexpected", finetune=False, non_persistent_ckpt_type=None,
-        non_persistent_global_ckpt_dir=None, ckpt_step=1, exit_on_missing_checkpoint=False)
+        swiglu=False,
+        num_experts=None,
+        use_megatron_fsdp=True,
+        strict_fsdp_dtensor_load=True,
+        dist_ckpt_strictness="assume_ok_unexpected",
+        finetune=False,
+        non_persistent_ckpt_type=None,
+        non_persistent_global_ckpt_dir=None,
+        ckpt_step=1,
+        exit_on_missing_checkpoint=False,
+    )
     for k, v in overrides.items():
         setattr(args, k, v)
     return args
@@ -266,11 +319,12 @@ def make_args(**overrides):
 def save(model: FakeModel, root: str, args=None) -> None:
     """Save like ``save_checkpoint`` (fsdp_dtensor branch) into ``root/iter_0000001``."""
     import torch.distributed.checkpoint as dcp
-
     from megatron.training import checkpointing
 
     args = args or make_args()
-    sd = checkpointing.preprocess_fsdp_dtensor_state_dict(args, model.full_state_dict(), model.wrapper)
+    sd = checkpointing.preprocess_fsdp_dtensor_state_dict(
+        args, model.full_state_dict(), model.wrapper
+    )
     dcp.save(sd, checkpoint_id=os.path.join(root, "iter_0000001"))
     torch.distributed.barrier()
 
@@ -281,12 +335,17 @@ def load(model: FakeModel, root: str, args=None):
     from megatron.training import checkpointing
 
     args = args or make_args()
-    sharded = {"model": model.model_state_dict(), "optimizer": model.optimizer_state_dict(),
-               "_model": [model.wrapper]}
+    sharded = {
+        "model": model.model_state_dict(),
+        "optimizer": model.optimizer_state_dict(),
+        "_model": [model.wrapper],
+    }
     return checkpointing._load_base_checkpoint(root, args, rank0=False, sharded_state_dict=sharded)
 
 
 def metadata_keys(root: str) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    return set(FileSystemReader(os.path.join(root, "iter_0000001")).read_metadata().state_dict_metadata)
+    return set(
+        FileSystemReader(os.path.join(root, "iter_0000001")).read_metadata().state_dict_metadata
+    )

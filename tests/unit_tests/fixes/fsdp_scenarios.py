@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
-
-from fsdp_fake_model import (Env, FakeModel, load, make_args, metadata_keys, mismatches, save)
+from fsdp_fake_model import Env, FakeModel, load, make_args, metadata_keys, mismatches, save
 
 FUSED_KEY = "linear_qkv_down_proj"
 
@@ -20,8 +19,11 @@ def _expect_clean(keys: set[str]) -> None:
     assert not any(FUSED_KEY in k for k in keys), sorted(k for k in keys if FUSED_KEY in k)
     assert not any("mtp_model_layer" in k for k in keys)
     for layer in ("decoder.layers.0", "mtp.layers.0.transformer_layer"):
-        for name in ("self_attention.linear_q_down_proj.weight",
-                     "self_attention.linear_kv_down_proj.weight", "input_layernorm.weight"):
+        for name in (
+            "self_attention.linear_q_down_proj.weight",
+            "self_attention.linear_kv_down_proj.weight",
+            "input_layernorm.weight",
+        ):
             assert f"model.module.{layer}.{name}" in keys, (layer, name, sorted(keys))
             assert f"optimizer.state.module.module.{layer}.{name}.exp_avg" in keys, (layer, name)
 
@@ -41,8 +43,9 @@ def scenario_views(env: Env) -> None:
     from megatron.training import checkpointing
 
     model = FakeModel(env, fused=True, fill="truth", shard="straddle")
-    sd = checkpointing.preprocess_fsdp_dtensor_state_dict(make_args(), model.full_state_dict(),
-                                                          model.wrapper)
+    sd = checkpointing.preprocess_fsdp_dtensor_state_dict(
+        make_args(), model.full_state_dict(), model.wrapper
+    )
     for layer in ("decoder.layers.0", "mtp.layers.0"):
         live = layer if layer.startswith("decoder") else "mtp.layers.0.mtp_model_layer"
         disk = layer if layer.startswith("decoder") else "mtp.layers.0.transformer_layer"
@@ -55,9 +58,15 @@ def scenario_views(env: Env) -> None:
             total += part.to_local().numel()
         assert total == fused.to_local().numel()
         ln = sd["model"][f"module.{disk}.input_layernorm.weight"]
-        assert ln.to_local().untyped_storage().data_ptr() == model.params[
-            f"module.module.{live}.self_attention.linear_qkv_down_proj.layer_norm_weight"
-        ].to_local().untyped_storage().data_ptr()
+        assert (
+            ln.to_local().untyped_storage().data_ptr()
+            == model.params[
+                f"module.module.{live}.self_attention.linear_qkv_down_proj.layer_norm_weight"
+            ]
+            .to_local()
+            .untyped_storage()
+            .data_ptr()
+        )
 
 
 def scenario_unfused_to_fused(env: Env, root: str) -> None:
@@ -121,8 +130,11 @@ def scenario_negative_control(env: Env, unfused_root: str) -> None:
             raise AssertionError("partial load with missing weights did not raise")
         model = _loaded(env, True, "straddle")
         initial = {n: p.to_local().clone() for n, p in model.params.items()}
-        load(model, unfused_root,
-             make_args(strict_fsdp_dtensor_load=False, dist_ckpt_strictness="ignore_all"))
+        load(
+            model,
+            unfused_root,
+            make_args(strict_fsdp_dtensor_load=False, dist_ckpt_strictness="ignore_all"),
+        )
         reference = FakeModel(env, fused=True, fill="truth", shard="straddle")
         for name, p in model.params.items():
             if FUSED_KEY in name:
@@ -131,8 +143,11 @@ def scenario_negative_control(env: Env, unfused_root: str) -> None:
                 assert torch.equal(p.to_local(), reference.params[name].to_local()), name
         # log mode loads too and reports the keys
         model = _loaded(env, True, "straddle")
-        load(model, unfused_root,
-             make_args(strict_fsdp_dtensor_load=False, dist_ckpt_strictness="return_all"))
+        load(
+            model,
+            unfused_root,
+            make_args(strict_fsdp_dtensor_load=False, dist_ckpt_strictness="return_all"),
+        )
         assert any(FUSED_KEY in k for k in FIX.last_unexpected_keys), FIX.last_unexpected_keys
 
 

@@ -30,15 +30,19 @@ HIDDEN, FFN = 16, 32
 # EP>1 ("TP+EP is not supported by QuantSequentialMLP"), so those combinations are only covered by
 # the grouped-experts metadata simulation.
 SAVES = {
-    2: [((1, 1, 2, 1), "FP8_DEFAULT_CFG"),
+    2: [
+        ((1, 1, 2, 1), "FP8_DEFAULT_CFG"),
         ((2, 1, 1, 1), "INT8_DEFAULT_CFG"),
         ((1, 2, 1, 1), "FP8_DEFAULT_CFG"),
         ((2, 1, 2, 1), "INT8_DEFAULT_CFG"),
-        ((1, 1, 1, 2), "FP8_DEFAULT_CFG")],
-    4: [((1, 2, 2, 1), "FP8_DEFAULT_CFG"),
+        ((1, 1, 1, 2), "FP8_DEFAULT_CFG"),
+    ],
+    4: [
+        ((1, 2, 2, 1), "FP8_DEFAULT_CFG"),
         ((1, 4, 1, 1), "INT8_DEFAULT_CFG"),
         ((1, 1, 2, 2), "INT8_DEFAULT_CFG"),
-        ((2, 1, 4, 1), "FP8_DEFAULT_CFG")],
+        ((2, 1, 4, 1), "FP8_DEFAULT_CFG"),
+    ],
 }
 LOADS_PER_SAVE = 2
 # Legacy-layout and bad-input checks run in this launch only (same code path at any world size).
@@ -59,8 +63,12 @@ def init_topology(t) -> None:
 
     ps.destroy_model_parallel()
     tp, ep, etp, pp = t
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
 
 
 def my_layers(t) -> list[int]:
@@ -72,8 +80,9 @@ def my_layers(t) -> list[int]:
     return list(range(stage * per_stage, (stage + 1) * per_stage))
 
 
-def build_experts(t, recipe: str, seed: int, num_experts: int = NUM_EXPERTS,
-                  impl: str = "sequential") -> torch.nn.ModuleDict:
+def build_experts(
+    t, recipe: str, seed: int, num_experts: int = NUM_EXPERTS, impl: str = "sequential"
+) -> torch.nn.ModuleDict:
     """Quantized experts for this rank's layers: ModuleDict {str(global layer): experts}.
 
     ``impl``: ``"sequential"`` (SequentialMLP of local Column/RowParallelLinear, CPU) or
@@ -87,12 +96,23 @@ def build_experts(t, recipe: str, seed: int, num_experts: int = NUM_EXPERTS,
     tp, ep, etp, pp = t
     te = impl == "te_grouped"
     cfg = TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN, num_moe_experts=num_experts, use_cpu_initialization=not te,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32, add_bias_linear=False, moe_grouped_gemm=te,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False)
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_moe_experts=num_experts,
+        use_cpu_initialization=not te,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        add_bias_linear=False,
+        moe_grouped_gemm=te,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+    )
     pg = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(seed)
     if te:
@@ -108,10 +128,17 @@ def build_experts(t, recipe: str, seed: int, num_experts: int = NUM_EXPERTS,
         from megatron.core.transformer.moe.experts import SequentialMLP
 
         cls, fc1, fc2 = SequentialMLP, ColumnParallelLinear, RowParallelLinear
-    model = torch.nn.ModuleDict({
-        str(layer): cls(num_experts // ep, cfg, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),
-                        pg_collection=pg)
-        for layer in my_layers(t)})
+    model = torch.nn.ModuleDict(
+        {
+            str(layer): cls(
+                num_experts // ep,
+                cfg,
+                MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),
+                pg_collection=pg,
+            )
+            for layer in my_layers(t)
+        }
+    )
     device = torch.device("cuda", torch.cuda.current_device()) if te else torch.device("cpu")
 
     def forward_loop(m):
@@ -147,8 +174,9 @@ def load_into(model, ckpt_dir) -> None:
     loaded = dist_checkpointing.load(sharded_sd(model), str(ckpt_dir))
     for layer, experts in model.items():
         p = prefix(layer)
-        experts.load_state_dict({k[len(p):]: v for k, v in loaded.items() if k.startswith(p)},
-                                strict=True)
+        experts.load_state_dict(
+            {k[len(p) :]: v for k, v in loaded.items() if k.startswith(p)}, strict=True
+        )
 
 
 def save(model, ckpt_dir) -> None:
@@ -193,9 +221,18 @@ def global_values(sd) -> dict[str, torch.Tensor]:
     """Every key's global tensor, assembled from the main replicas of all ranks."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-    mine = [(st.key, st.global_shape, st.prepend_axis_num, st.global_offset, st.local_shape,
-             st.data.detach().clone()) for st in sd.values()
-            if type(st) is ShardedTensor and is_main_replica(st.replica_id)]
+    mine = [
+        (
+            st.key,
+            st.global_shape,
+            st.prepend_axis_num,
+            st.global_offset,
+            st.local_shape,
+            st.data.detach().clone(),
+        )
+        for st in sd.values()
+        if type(st) is ShardedTensor and is_main_replica(st.replica_id)
+    ]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     full: dict[str, torch.Tensor] = {}
@@ -220,8 +257,10 @@ def compare(sd, expected: dict[str, torch.Tensor]) -> tuple[list[str], list[str]
             continue
         want = want[_slices(st)].reshape(st.data.shape)
         if not torch.equal(st.data, want):
-            bad.append(f"{st.key}{list(st.global_offset)}: {st.data.flatten()[:3].tolist()} != "
-                       f"{want.flatten()[:3].tolist()}")
+            bad.append(
+                f"{st.key}{list(st.global_offset)}: {st.data.flatten()[:3].tolist()} != "
+                f"{want.flatten()[:3].tolist()}"
+            )
         if "quantizer" in st.key:
             checked.append(st.key)
     return bad, checked
@@ -256,11 +295,13 @@ def _summary(err: str | None) -> str | None:
 
 # TE grouped experts (cluster only): TP>1 with EP>1 is allowed there.
 SAVES_TE = {
-    4: [((2, 2, 2, 1), "FP8_DEFAULT_CFG"),
+    4: [
+        ((2, 2, 2, 1), "FP8_DEFAULT_CFG"),
         ((2, 2, 1, 1), "FP8_DEFAULT_CFG"),
         ((1, 2, 2, 1), "FP8_DEFAULT_CFG"),
         ((1, 4, 1, 1), "FP8_DEFAULT_CFG"),
-        ((2, 1, 1, 2), "FP8_DEFAULT_CFG")],
+        ((2, 1, 1, 2), "FP8_DEFAULT_CFG"),
+    ],
 }
 
 
@@ -268,8 +309,12 @@ def te_roundtrip_body(rank, world_size, out_dir):
     """Cluster: the round trip with TEGroupedMLP on one GPU per rank, over NCCL."""
     dist.destroy_process_group()
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", init_method=f"file://{os.path.join(out_dir, 'nccl_store')}",
-                            rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{os.path.join(out_dir, 'nccl_store')}",
+        rank=rank,
+        world_size=world_size,
+    )
     roundtrip_body(rank, world_size, out_dir, impl="te_grouped", saves=SAVES_TE[world_size])
 
 
@@ -289,14 +334,21 @@ def roundtrip_body(rank, world_size, out_dir, impl="sequential", saves=None):
     LOADS_PER_SAVE ones; also measure upstream's validation result for each topology; then (for
     sequential experts) the legacy-layout and bad-input checks."""
     from megatron.core import parallel_state as ps
+
     from megatron.fixes.modelopt_moe import FIX
 
     if impl == "sequential":
         activate_cpu_runtime()
     FIX.apply()
-    results: dict[str, Any] = {"world_size": world_size, "impl": impl,
-                               "fix_status": FIX.status.value, "validation": {}, "roundtrip": {},
-                               "legacy": None, "bad_input": {}}
+    results: dict[str, Any] = {
+        "world_size": world_size,
+        "impl": impl,
+        "fix_status": FIX.status.value,
+        "validation": {},
+        "roundtrip": {},
+        "legacy": None,
+        "bad_input": {},
+    }
     saves = saves or SAVES[world_size]
     for i, (t, recipe) in enumerate(saves):
         init_topology(t)
@@ -304,8 +356,11 @@ def roundtrip_body(rank, world_size, out_dir, impl="sequential", saves=None):
         sd = sharded_sd(model)
         fixed_err = validation_error(sd)
         upstream_err = _upstream_validation(model)
-        results["validation"][topo_name(t)] = {"recipe": recipe, "fixed": fixed_err,
-                                               "upstream": _summary(upstream_err)}
+        results["validation"][topo_name(t)] = {
+            "recipe": recipe,
+            "fixed": fixed_err,
+            "upstream": _summary(upstream_err),
+        }
         assert fixed_err is None, f"{topo_name(t)}: {fixed_err}"
         ckpt = os.path.join(out_dir, f"{impl}_ws{world_size}_save{i}")
         save(model, ckpt)
@@ -320,8 +375,11 @@ def roundtrip_body(rank, world_size, out_dir, impl="sequential", saves=None):
             bad, checked = compare(after, expected)
             load_err = validation_error(after)
             everyone = gather((bad, checked, len(before_bad)))
-            experts = {(k.split(".experts.experts.")[0], k.split(".experts.experts.")[1].split(".")[0])
-                       for _, ch, _ in everyone for k in ch}
+            experts = {
+                (k.split(".experts.experts.")[0], k.split(".experts.experts.")[1].split(".")[0])
+                for _, ch, _ in everyone
+                for k in ch
+            }
             experts = sorted(x for x in experts if x[1].isdigit())
             results["roundtrip"][f"{topo_name(t)} -> {topo_name(lt)}"] = {
                 "recipe": recipe,
@@ -372,7 +430,8 @@ def _legacy_state(model, value_of) -> dict:
             continue
         legacy_key = m["head"] + m["tail"]
         out[legacy_key] = ShardedTensor.from_rank_offsets(
-            legacy_key, torch.tensor([value_of(legacy_key)]), replica_id=dist.get_rank())
+            legacy_key, torch.tensor([value_of(legacy_key)]), replica_id=dist.get_rank()
+        )
     return out
 
 
@@ -419,10 +478,14 @@ def _legacy_case(rank, world_size, out_dir) -> dict:
                             bad.append(f"layer {layer} local expert {i} fc{fc} {q}: {got}")
         # the non-quantizer tensors of the checkpoint are ordinary per-expert ones
         after = sharded_sd(fresh)
-        weights_ok = all(torch.isfinite(st.data).all().item() for st in after.values()
-                         if type(st) is ShardedTensor)
-        everyone = gather((bad, n, [line for line in cap.lines if "shared value" in line][:1],
-                           weights_ok))
+        weights_ok = all(
+            torch.isfinite(st.data).all().item()
+            for st in after.values()
+            if type(st) is ShardedTensor
+        )
+        everyone = gather(
+            (bad, n, [line for line in cap.lines if "shared value" in line][:1], weights_ok)
+        )
         res[topo_name(lt)] = {
             "mismatches": [b for e in everyone for b in e[0]][:10],
             "amax_checked": sum(e[1] for e in everyone),
@@ -461,7 +524,9 @@ def _bad_input_cases(rank, world_size, out_dir) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     for k in list(state):
-        if k.endswith("layers.%d.mlp.experts.experts.linear_fc1.weight_quantizer._amax" % my_layers(t)[0]):
+        if k.endswith(
+            "layers.%d.mlp.experts.experts.linear_fc1.weight_quantizer._amax" % my_layers(t)[0]
+        ):
             state[k] = ShardedTensor.from_rank_offsets(k, torch.ones(3), replica_id=dist.get_rank())
     dist.barrier()
     dist_checkpointing.save(state, ckpt)
@@ -472,7 +537,9 @@ def _bad_input_cases(rank, world_size, out_dir) -> dict:
     ckpt2 = os.path.join(out_dir, f"ws{world_size}_fp8")
     save(model, ckpt2)
     int8 = build_experts(t, "INT8_DEFAULT_CFG", seed=13)
-    res["per_tensor_into_per_channel"] = gather(_expect_layout_error(lambda: load_into(int8, ckpt2)))
+    res["per_tensor_into_per_channel"] = gather(
+        _expect_layout_error(lambda: load_into(int8, ckpt2))
+    )
 
     # 3) 4-expert checkpoint into an 8-expert model.
     eight = build_experts(t, "FP8_DEFAULT_CFG", seed=14, num_experts=2 * NUM_EXPERTS)

@@ -47,16 +47,31 @@ def test_apply_leaves_no_group_and_no_rank_prefix(tmp_path):
     script = tmp_path / "apply_then_fail.py"
     script.write_text(_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         f"--master-port={free_port()}", str(script)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={free_port()}",
+            str(script),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout
     assert proc.returncode != 0, out  # rank 1 raised
     lines = out.splitlines()
-    assert sum("check: not initialised: before=False after=False hook kept=True" in l
-               for l in lines) == 2, out
-    assert sum("check: initialised:" in l and "after=True hook kept=True" in l for l in lines) == 2, out
+    assert (
+        sum("check: not initialised: before=False after=False hook kept=True" in l for l in lines)
+        == 2
+    ), out
+    assert (
+        sum("check: initialised:" in l and "after=True hook kept=True" in l for l in lines) == 2
+    ), out
     errors = [l for l in lines if "RuntimeError: boom on rank 1" in l]
     assert errors, out
     assert all(l.startswith("[rank1]: RuntimeError") for l in errors), errors

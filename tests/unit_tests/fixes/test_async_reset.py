@@ -30,8 +30,13 @@ def _results(tmp_path, fixed: bool) -> list[dict]:
 @pytest.mark.slow
 def test_save_after_abort_is_complete_and_loads_bitwise(tmp_path):
     for r in _results(tmp_path, fixed=True):
-        assert r == {"fixed": True, "loaded": True, "bitwise": True, "error": None,
-                     "left_in_queue": 0}, r
+        assert r == {
+            "fixed": True,
+            "loaded": True,
+            "bitwise": True,
+            "error": None,
+            "left_in_queue": 0,
+        }, r
 
 
 @pytest.mark.slow
@@ -50,8 +55,12 @@ def _rebuilt_queue_cpu_shm(monkeypatch) -> bool:
     ``--async-ckpt-use-cpu-shm`` set; no worker is started (that happens at the first schedule)."""
     from megatron.training import async_utils
 
-    args = types.SimpleNamespace(async_save=True, async_strategy="nvrx", use_persistent_ckpt_worker=True,
-                                 async_ckpt_use_cpu_shm=True)
+    args = types.SimpleNamespace(
+        async_save=True,
+        async_strategy="nvrx",
+        use_persistent_ckpt_worker=True,
+        async_ckpt_use_cpu_shm=True,
+    )
     monkeypatch.setattr(async_utils, "get_args", lambda: args)
     monkeypatch.setattr(async_utils, "_async_calls_queue", None)
     async_utils.reset_persistent_async_worker("nvrx")

@@ -12,11 +12,18 @@ import pytest
 import torch
 
 import megatron.fixes
-from megatron.fixes.distopt_reshard import FIX, UPSTREAM_ADVICE, reshard_advice, upstream_copy_needs_step
+from megatron.fixes.distopt_reshard import (
+    FIX,
+    UPSTREAM_ADVICE,
+    reshard_advice,
+    upstream_copy_needs_step,
+)
 
 #: Upstream's refusal, as load_checkpoint builds it for a TP 2 checkpoint loaded at TP 1.
-UPSTREAM_REFUSAL = ("(TP, PP) mismatch after resume ((1, 1) vs (2, 1) from checkpoint): not supported for "
-                    "DistributedOptimizer with sharding type dp_reshardable. " + UPSTREAM_ADVICE)
+UPSTREAM_REFUSAL = (
+    "(TP, PP) mismatch after resume ((1, 1) vs (2, 1) from checkpoint): not supported for "
+    "DistributedOptimizer with sharding type dp_reshardable. " + UPSTREAM_ADVICE
+)
 
 
 def _adam_like():
@@ -24,15 +31,24 @@ def _adam_like():
     state holds step 7 and zeros."""
     main = torch.zeros(4)
     state = {"step": torch.tensor(7.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
-    return main, state, SimpleNamespace(
-        model_param_group_index_map={"p": (0, 0)},
-        config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
-        optimizer=SimpleNamespace(param_groups=[{"params": [main]}], state={main: state}))
+    return (
+        main,
+        state,
+        SimpleNamespace(
+            model_param_group_index_map={"p": (0, 0)},
+            config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+            optimizer=SimpleNamespace(param_groups=[{"params": [main]}], state={main: state}),
+        ),
+    )
 
 
 def _source():
     """What load_parameter_state_from_fully_reshardable passes: no 'step'."""
-    return {"param": torch.full((4,), 1.5), "exp_avg": torch.full((4,), 2.5), "exp_avg_sq": torch.full((4,), 3.5)}
+    return {
+        "param": torch.full((4,), 1.5),
+        "exp_avg": torch.full((4,), 2.5),
+        "exp_avg_sq": torch.full((4,), 3.5),
+    }
 
 
 def test_guard_unfixed_upstream_copy_raises_keyerror_step():
@@ -84,17 +100,32 @@ def test_the_flag_upstream_names_changes_nothing():
     from megatron.training import arguments, checkpointing
 
     def sharding(**kw):
-        args = argparse.Namespace(use_distributed_optimizer=True, ckpt_format="torch_dist",
-                                  distrib_optim_fully_reshardable_mem_efficient=False, **kw)
+        args = argparse.Namespace(
+            use_distributed_optimizer=True,
+            ckpt_format="torch_dist",
+            distrib_optim_fully_reshardable_mem_efficient=False,
+            **kw,
+        )
         return checkpointing._build_sharded_state_dict_metadata(args, dp_cp_group=object())[
-            "distrib_optim_sharding_type"]
+            "distrib_optim_sharding_type"
+        ]
 
     for fully_parallel in (True, False):
-        assert sharding(ckpt_fully_parallel_save=fully_parallel,
-                        dist_ckpt_optim_fully_reshardable=False) == "dp_reshardable"
-        assert sharding(ckpt_fully_parallel_save=fully_parallel,
-                        dist_ckpt_optim_fully_reshardable=True) == "fully_reshardable"
-    assert "--ckpt-fully-parallel-save flag is deprecated and has no effect" in inspect.getsource(arguments)
+        assert (
+            sharding(
+                ckpt_fully_parallel_save=fully_parallel, dist_ckpt_optim_fully_reshardable=False
+            )
+            == "dp_reshardable"
+        )
+        assert (
+            sharding(
+                ckpt_fully_parallel_save=fully_parallel, dist_ckpt_optim_fully_reshardable=True
+            )
+            == "fully_reshardable"
+        )
+    assert "--ckpt-fully-parallel-save flag is deprecated and has no effect" in inspect.getsource(
+        arguments
+    )
 
 
 def test_reshard_advice_names_the_flag_that_works():

@@ -43,6 +43,7 @@ def _model(hybrid_mtp=False):
 
 # ---- key matching ---------------------------------------------------------------------------
 
+
 def test_strip_wrappers():
     assert fx.strip_wrappers("module.module.decoder.x") == "decoder.x"
     assert fx.strip_wrappers("model.module.decoder.x") == "decoder.x"
@@ -65,23 +66,32 @@ def test_map_key_fused_weight_layernorm_and_mtp():
     m = lambda k, c=fx.NEW_LAYOUT: fx.map_key(k, layout, c)  # noqa: E731
     assert m(f"module.{ATTN}.linear_qkv_down_proj.weight") == [
         (f"module.{ATTN}.linear_q_down_proj.weight", "q"),
-        (f"module.{ATTN}.linear_kv_down_proj.weight", "kv")]
+        (f"module.{ATTN}.linear_kv_down_proj.weight", "kv"),
+    ]
     assert m(f"module.{ATTN}.linear_qkv_down_proj.layer_norm_weight") == [
-        ("module.decoder.layers.0.input_layernorm.weight", None)]
+        ("module.decoder.layers.0.input_layernorm.weight", None)
+    ]
     assert m(f"module.module.{ATTN}.linear_qkv_down_proj.layer_norm_bias") == [
-        ("module.module.decoder.layers.0.input_layernorm.bias", None)]
+        ("module.module.decoder.layers.0.input_layernorm.bias", None)
+    ]
     # MLA inside MTP: split, then renamed
     assert m(f"module.{MTP_ATTN}.linear_qkv_down_proj.weight") == [
         ("module.mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight", "q"),
-        ("module.mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight", "kv")]
+        ("module.mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight", "kv"),
+    ]
     assert m(f"module.{MTP_ATTN}.linear_qkv_down_proj.layer_norm_weight") == [
-        ("module.mtp.layers.0.transformer_layer.input_layernorm.weight", None)]
+        ("module.mtp.layers.0.transformer_layer.input_layernorm.weight", None)
+    ]
     assert m("module.mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight_w") == [
-        ("module.mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_w", None)]
+        ("module.mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_w", None)
+    ]
     # untouched keys
-    for key in ("module.decoder.layers.0.mlp.linear_fc2.weight", "module.mtp.layers.0.enorm.weight",
-                f"module.{ATTN}.linear_q_up_proj.weight",
-                f"module.{ATTN}.linear_qkv_down_proj.bias"):
+    for key in (
+        "module.decoder.layers.0.mlp.linear_fc2.weight",
+        "module.mtp.layers.0.enorm.weight",
+        f"module.{ATTN}.linear_q_up_proj.weight",
+        f"module.{ATTN}.linear_qkv_down_proj.bias",
+    ):
         assert m(key) == [(key, None)]
     # legacy layouts: fused kept, mtp_model_layer kept
     legacy = fx.Choice(frozenset([MTP_ATTN]), frozenset(["mtp.layers.0"]))
@@ -93,10 +103,12 @@ def test_map_key_hybrid_mtp_not_renamed():
     layout = fx.find_model_layout(_model(hybrid_mtp=True))
     assert fx.map_key(f"module.{MTP_ATTN}.linear_qkv_down_proj.weight", layout) == [
         (f"module.{MTP_ATTN}.linear_q_down_proj.weight", "q"),
-        (f"module.{MTP_ATTN}.linear_kv_down_proj.weight", "kv")]
+        (f"module.{MTP_ATTN}.linear_kv_down_proj.weight", "kv"),
+    ]
 
 
 # ---- section sizes ---------------------------------------------------------------------------
+
 
 def test_section_sizes_asymmetric_and_tp():
     s = fx.mla_section_sizes(4, 4, 2, fused_rows=10)
@@ -116,15 +128,19 @@ def test_section_sizes_errors():
 
 # ---- slice intersection and section views ----------------------------------------------------
 
-@pytest.mark.parametrize("a,b,want", [
-    (slice(0, 4), slice(4, 8), slice(4, 4)),      # touching: empty
-    (slice(6, 9), slice(0, 4), slice(6, 6)),      # disjoint, after: empty
-    (slice(0, 0), slice(0, 4), slice(0, 0)),      # rank owning nothing
-    (slice(2, 7), slice(0, 4), slice(2, 4)),      # straddling the boundary
-    (slice(2, 7), slice(4, 10), slice(4, 7)),
-    (slice(0, 4), slice(0, 4), slice(0, 4)),      # exact
-    (slice(1, 3), slice(0, 10), slice(1, 3)),     # contained
-])
+
+@pytest.mark.parametrize(
+    "a,b,want",
+    [
+        (slice(0, 4), slice(4, 8), slice(4, 4)),  # touching: empty
+        (slice(6, 9), slice(0, 4), slice(6, 6)),  # disjoint, after: empty
+        (slice(0, 0), slice(0, 4), slice(0, 0)),  # rank owning nothing
+        (slice(2, 7), slice(0, 4), slice(2, 4)),  # straddling the boundary
+        (slice(2, 7), slice(4, 10), slice(4, 7)),
+        (slice(0, 4), slice(0, 4), slice(0, 4)),  # exact
+        (slice(1, 3), slice(0, 10), slice(1, 3)),  # contained
+    ],
+)
 def test_intersect(a, b, want):
     assert fx.intersect(a, b) == want
 
@@ -133,14 +149,14 @@ def test_section_view_straddling_exact_and_empty():
     row = (3,)
     weight = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)  # q rows 0-3, kv rows 4-9
     q, kv = slice(0, 12), slice(12, 30)
-    local = weight[2:7].clone()                                      # straddles
+    local = weight[2:7].clone()  # straddles
     fsdp = slice(6, 21)
     vq, fq = fx.section_view(local, fsdp, q, row)
     vkv, fkv = fx.section_view(local, fsdp, kv, row)
     assert (fq, fkv) == (2, 0)
     assert torch.equal(vq, weight[2:4]) and torch.equal(vkv, weight[4:7])
     assert vq.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-    vkv.fill_(-1)                                                    # a load writes through
+    vkv.fill_(-1)  # a load writes through
     assert torch.equal(local[2:], torch.full((3, 3), -1.0))
     exact = weight[0:4].clone()
     v, f = fx.section_view(exact, slice(0, 12), q, row)
@@ -167,19 +183,30 @@ def test_split_fused_rejects_plain_tensor():
 
 # ---- layout detection from checkpoint metadata keys ------------------------------------------
 
+
 def _prep():
     layout = fx.find_model_layout(_model())
-    model = {f"module.{p}": torch.zeros(1) for p in (
-        f"{ATTN}.linear_qkv_down_proj.weight", f"{ATTN}.linear_qkv_down_proj.layer_norm_weight",
-        "decoder.layers.0.mlp.linear_fc2.weight",
-        f"{MTP_ATTN}.linear_qkv_down_proj.weight", "mtp.layers.0.mtp_model_layer.mlp.linear_fc2.weight",
-        "mtp.layers.0.enorm.weight")}
+    model = {
+        f"module.{p}": torch.zeros(1)
+        for p in (
+            f"{ATTN}.linear_qkv_down_proj.weight",
+            f"{ATTN}.linear_qkv_down_proj.layer_norm_weight",
+            "decoder.layers.0.mlp.linear_fc2.weight",
+            f"{MTP_ATTN}.linear_qkv_down_proj.weight",
+            "mtp.layers.0.mtp_model_layer.mlp.linear_fc2.weight",
+            "mtp.layers.0.enorm.weight",
+        )
+    }
     return fx.Preparation(args=None, layout=layout, originals={("model",): model}, sections={})
 
 
 def _md(choice):
     prep = _prep()
-    return {f"model.{k}" for key in prep.originals[("model",)] for k, _ in fx.map_key(key, prep.layout, choice)}
+    return {
+        f"model.{k}"
+        for key in prep.originals[("model",)]
+        for k, _ in fx.map_key(key, prep.layout, choice)
+    }
 
 
 def test_detect_choice_fixed_legacy_and_mixed():
@@ -237,36 +264,51 @@ def test_unexpected_model_keys_only_model_requests():
 
 # ---- registration ------------------------------------------------------------------------------
 
+
 def test_fix_declaration_and_install_reset():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.training import checkpointing
 
     fix = fx.FIX
     assert (fix.package, fix.supported, fix.upstream_refs[0]) == (
-        "megatron-core", "==0.19.2", "Megatron-LM PR 6271")
+        "megatron-core",
+        "==0.19.2",
+        "Megatron-LM PR 6271",
+    )
     assert {p.target.rsplit(".", 1)[1] for p in fix.patches} == {
-        "preprocess_fsdp_dtensor_state_dict", "default_planner", "print_diff_in_state_dicts",
-        "sharded_param_state_fsdp_dtensor"}
+        "preprocess_fsdp_dtensor_state_dict",
+        "default_planner",
+        "print_diff_in_state_dicts",
+        "sharded_param_state_fsdp_dtensor",
+    }
     # 0.19.2 has both defects
     assert not fix.upstream_behaves()
     assert not fix.layout_upstream_fixed() and not fix.empty_shards_upstream_fixed()
-    originals = (checkpointing.preprocess_fsdp_dtensor_state_dict, checkpointing.default_planner,
-                 checkpointing.print_diff_in_state_dicts,
-                 DistributedOptimizer.sharded_param_state_fsdp_dtensor)
+    originals = (
+        checkpointing.preprocess_fsdp_dtensor_state_dict,
+        checkpointing.default_planner,
+        checkpointing.print_diff_in_state_dicts,
+        DistributedOptimizer.sharded_param_state_fsdp_dtensor,
+    )
     try:
         assert fix.apply().value == "active"
         assert checkpointing.preprocess_fsdp_dtensor_state_dict is not originals[0]
         assert checkpointing.default_planner.DefaultLoadPlanner.__name__ == "FsdpDTensorLoadPlanner"
-        assert checkpointing.default_planner.create_default_local_load_plan is \
-            originals[1].create_default_local_load_plan
+        assert (
+            checkpointing.default_planner.create_default_local_load_plan
+            is originals[1].create_default_local_load_plan
+        )
         assert DistributedOptimizer.sharded_param_state_fsdp_dtensor.__wrapped__ is originals[3]
         assert fix.apply().value == "active"  # idempotent
         assert not fix.empty_shards_upstream_fixed()  # sees through its own wrapper
     finally:
         fix.reset()
-    assert (checkpointing.preprocess_fsdp_dtensor_state_dict, checkpointing.default_planner,
-            checkpointing.print_diff_in_state_dicts,
-            DistributedOptimizer.sharded_param_state_fsdp_dtensor) == originals
+    assert (
+        checkpointing.preprocess_fsdp_dtensor_state_dict,
+        checkpointing.default_planner,
+        checkpointing.print_diff_in_state_dicts,
+        DistributedOptimizer.sharded_param_state_fsdp_dtensor,
+    ) == originals
 
 
 def test_install_only_what_upstream_still_lacks(monkeypatch):
@@ -275,8 +317,10 @@ def test_install_only_what_upstream_still_lacks(monkeypatch):
     from megatron.training import checkpointing
 
     fix = fx.FsdpDTensorFix()
-    before = (checkpointing.preprocess_fsdp_dtensor_state_dict,
-              DistributedOptimizer.sharded_param_state_fsdp_dtensor)
+    before = (
+        checkpointing.preprocess_fsdp_dtensor_state_dict,
+        DistributedOptimizer.sharded_param_state_fsdp_dtensor,
+    )
     layout_parts = (fx.MlaMtpLayoutFix, fx.LegacyPlannerFix, fx.StrictnessFix)
     for layout_ok, empty_ok in ((True, False), (False, True)):
         for part in layout_parts:  # each part probes upstream on its own

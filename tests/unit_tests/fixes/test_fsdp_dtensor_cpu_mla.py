@@ -7,8 +7,8 @@ import types
 
 import pytest
 import torch
-
 from megatron.core.transformer.enums import AttnMaskType
+
 from megatron.cpu.mla_attention import CpuMLACoreAttention
 from tests.helpers.dist import run_distributed
 
@@ -17,8 +17,14 @@ import fsdp_cpu_mla_bodies  # noqa: E402
 
 
 def _config(**kw):
-    base = dict(context_parallel_size=1, softmax_type="vanilla", window_size=None, kv_channels=8,
-                attention_dropout=0.0, sequence_parallel=False)
+    base = dict(
+        context_parallel_size=1,
+        softmax_type="vanilla",
+        window_size=None,
+        kv_channels=8,
+        attention_dropout=0.0,
+        sequence_parallel=False,
+    )
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -38,8 +44,9 @@ def test_core_attention_matches_reference(sq, sk, with_mask):
     torch.manual_seed(0)
     b, n, dk, dv = 2, 3, 12, 5  # query/key head size != value head size, as in MLA
     q, k, v = torch.randn(sq, b, n, dk), torch.randn(sk, b, n, dk), torch.randn(sk, b, n, dv)
-    attn = CpuMLACoreAttention(_config(), 1, AttnMaskType.causal, "self", softmax_scale=0.3,
-                               k_channels=dk, v_channels=dv).eval()
+    attn = CpuMLACoreAttention(
+        _config(), 1, AttnMaskType.causal, "self", softmax_scale=0.3, k_channels=dk, v_channels=dv
+    ).eval()
     causal = torch.ones(sq, sk, dtype=torch.bool).triu_(1 + sk - sq)  # bottom-right aligned
     mask = None
     if with_mask:
@@ -54,9 +61,10 @@ def test_core_attention_matches_reference(sq, sk, with_mask):
 def test_core_attention_grouped_heads_no_mask_type():
     torch.manual_seed(1)
     q, k, v = torch.randn(4, 1, 4, 6), torch.randn(4, 1, 2, 6), torch.randn(4, 1, 2, 3)
-    attn = CpuMLACoreAttention(_config(), 1, AttnMaskType.no_mask, "self", k_channels=6,
-                               v_channels=3).eval()
-    want = _reference(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), None, 6 ** -0.5)
+    attn = CpuMLACoreAttention(
+        _config(), 1, AttnMaskType.no_mask, "self", k_channels=6, v_channels=3
+    ).eval()
+    want = _reference(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), None, 6**-0.5)
     torch.testing.assert_close(attn(q, k, v, None), want, rtol=1e-5, atol=1e-6)
 
 

@@ -20,7 +20,8 @@ def test_guard_unfixed_upstream_help_raises():
     megatron.fixes.reset()
     parser = _upstream_parser()
     assert [a.option_strings[0] for a in unexpandable_help(parser)] == [
-        "--moe-paged-stash-buffer-size-factor-cuda"]
+        "--moe-paged-stash-buffer-size-factor-cuda"
+    ]
     with pytest.raises(ValueError, match="unsupported format character"):
         parser.format_help()
 

@@ -12,11 +12,10 @@ import json
 import os
 import re
 
+import modelopt_moe_cases as cases
 import pytest
 
 from tests.helpers.dist import run_distributed
-
-import modelopt_moe_cases as cases
 
 pytestmark = pytest.mark.slow  # several processes: not in the quick lane
 
@@ -61,13 +60,16 @@ def test_modelopt_moe_guard_upstream_fails_validation(results):
     for topo, err in failing.items():
         assert "Invalid access pattern" in err and "quantizer" in err, (topo, err[:500])
     # ETP > TP duplicates the main replica of every expert quantizer tensor.
-    etp_gt_tp = [t for t in results["validation"]
-                 if (lambda m: int(m[2]) > int(m[0]))(re.findall(r"\d+", t))]
+    etp_gt_tp = [
+        t for t in results["validation"] if (lambda m: int(m[2]) > int(m[0]))(re.findall(r"\d+", t))
+    ]
     assert etp_gt_tp and all(t in failing for t in etp_gt_tp), (etp_gt_tp, sorted(failing))
 
 
 def test_modelopt_moe_roundtrip_values_per_global_expert(results):
-    assert len(results["roundtrip"]) == len(cases.SAVES[results["world_size"]]) * cases.LOADS_PER_SAVE
+    assert (
+        len(results["roundtrip"]) == len(cases.SAVES[results["world_size"]]) * cases.LOADS_PER_SAVE
+    )
     for name, r in results["roundtrip"].items():
         assert r["mismatches"] == [], f"{name} ({r['recipe']}): {r['mismatches']}"
         # every (layer, global expert) was checked on some rank, each with 4 amax per expert
@@ -90,8 +92,9 @@ def test_modelopt_moe_legacy_shared_layout_loads_per_expert(ws2):
         assert "experts.experts.linear_fc" in r["log_line"]
 
 
-@pytest.mark.parametrize("case", ["shared_wrong_shape", "per_tensor_into_per_channel",
-                                  "missing_experts"])
+@pytest.mark.parametrize(
+    "case", ["shared_wrong_shape", "per_tensor_into_per_channel", "missing_experts"]
+)
 def test_modelopt_moe_unmappable_layout_raises_on_every_rank(ws2, case):
     messages = ws2["bad_input"][case]
     assert len(messages) == 2

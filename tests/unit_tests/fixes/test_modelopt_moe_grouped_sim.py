@@ -28,10 +28,25 @@ HIDDEN, FFN, BLOCK = 8, 16, 4
 
 TOPOLOGIES = [
     (1, 1, 1, 1, 1),
-    (2, 1, 1, 2, 1), (2, 2, 1, 1, 1), (2, 1, 2, 1, 1), (2, 2, 1, 2, 1), (2, 1, 1, 1, 2),
-    (4, 1, 2, 2, 1), (4, 2, 2, 1, 1), (4, 2, 2, 2, 1), (4, 1, 4, 1, 1), (4, 4, 1, 1, 1),
-    (4, 2, 1, 4, 1), (4, 1, 1, 2, 2), (4, 2, 1, 1, 2), (4, 1, 2, 1, 2),
-    (8, 2, 2, 2, 2), (8, 2, 4, 1, 1), (8, 4, 2, 2, 1), (8, 1, 2, 4, 1), (8, 2, 1, 4, 2),
+    (2, 1, 1, 2, 1),
+    (2, 2, 1, 1, 1),
+    (2, 1, 2, 1, 1),
+    (2, 2, 1, 2, 1),
+    (2, 1, 1, 1, 2),
+    (4, 1, 2, 2, 1),
+    (4, 2, 2, 1, 1),
+    (4, 2, 2, 2, 1),
+    (4, 1, 4, 1, 1),
+    (4, 4, 1, 1, 1),
+    (4, 2, 1, 4, 1),
+    (4, 1, 1, 2, 2),
+    (4, 2, 1, 1, 2),
+    (4, 1, 2, 1, 2),
+    (8, 2, 2, 2, 2),
+    (8, 2, 4, 1, 1),
+    (8, 4, 2, 2, 1),
+    (8, 1, 2, 4, 1),
+    (8, 2, 1, 4, 2),
 ]
 RECIPES = ["fp8", "per_channel", "nvfp4", "static_block_awq"]
 
@@ -71,8 +86,9 @@ def rank_coords(world, tp, ep, etp, pp):
 
     assert world % (tp * pp) == 0 and world % (etp * ep * pp) == 0, (world, tp, ep, etp, pp)
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1,
-                           order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(
+        tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp"
+    )
 
     def where(gen, token, r):
         for g in gen.get_ranks(token):
@@ -80,9 +96,17 @@ def rank_coords(world, tp, ep, etp, pp):
                 return g.index(r), len(g)
         raise AssertionError((token, r))
 
-    return [{"tp": where(dense, "tp", r), "dp": where(dense, "dp", r), "pp": where(dense, "pp", r),
-             "etp": where(expert, "tp", r), "ep": where(expert, "ep", r),
-             "edp": where(expert, "dp", r)} for r in range(world)]
+    return [
+        {
+            "tp": where(dense, "tp", r),
+            "dp": where(dense, "dp", r),
+            "pp": where(dense, "pp", r),
+            "etp": where(expert, "tp", r),
+            "ep": where(expert, "ep", r),
+            "edp": where(expert, "dp", r),
+        }
+        for r in range(world)
+    ]
 
 
 # ---- true global values ------------------------------------------------------------------------
@@ -91,8 +115,13 @@ def rank_coords(world, tp, ep, etp, pp):
 def true_global(key: str, shape) -> torch.Tensor:
     """Deterministic global value of a quantizer tensor: a function of the key and the position."""
     base = (sum(key.encode()) % 97) + 1.0
-    return base + torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1,
-                               dtype=torch.float32).reshape(shape) / 1000.0
+    return (
+        base
+        + torch.arange(
+            int(torch.tensor(shape).prod().item()) if shape else 1, dtype=torch.float32
+        ).reshape(shape)
+        / 1000.0
+    )
 
 
 # ---- one grouped linear, as upstream builds it --------------------------------------------------
@@ -109,11 +138,17 @@ def _standin_linear(kind: str, recipe: str, num_gemms: int):
 
     weight_axis = {"fp8": None, "nvfp4": None, "per_channel": 0, "static_block_awq": (0, 2)}[recipe]
     quantizers = [_Quantizer(axis=weight_axis) for _ in range(num_gemms)]
-    base = plugin._MegatronColumnParallelLinear if kind == "column" else plugin._MegatronRowParallelLinear
+    base = (
+        plugin._MegatronColumnParallelLinear
+        if kind == "column"
+        else plugin._MegatronRowParallelLinear
+    )
     cls = type("StandIn", (), {"_get_shard_axis_dict": base._get_shard_axis_dict})
     obj = cls()
     obj.weight_quantizer = quantizers
-    obj.get_submodule = lambda name: quantizers[int(name.split(".")[1])] if name.count(".") else quantizers[0]
+    obj.get_submodule = (
+        lambda name: quantizers[int(name.split(".")[1])] if name.count(".") else quantizers[0]
+    )
     return obj
 
 
@@ -144,15 +179,28 @@ def _local_quantizer_state(kind, recipe, num_gemms, c, global_expert, mlp_prefix
             add(f"weight_quantizer.{i}._amax", key + "_amax", (), None)
             add(f"weight_quantizer.{i}._global_amax", key + "_global_amax", (), None)
         elif recipe == "per_channel":
-            add(f"weight_quantizer.{i}._amax", key + "_amax", (out_f, 1), 0 if kind == "column" else None)
+            add(
+                f"weight_quantizer.{i}._amax",
+                key + "_amax",
+                (out_f, 1),
+                0 if kind == "column" else None,
+            )
         else:  # static block over the input dim: row linears split it over ETP
-            add(f"weight_quantizer.{i}._amax", key + "_amax", (out_f, in_f // BLOCK),
-                1 if kind == "row" else 0)
+            add(
+                f"weight_quantizer.{i}._amax",
+                key + "_amax",
+                (out_f, in_f // BLOCK),
+                1 if kind == "row" else 0,
+            )
     shared = f"{experts_prefix}linear_fc{fc}.input_quantizer."
     add("input_quantizer._amax", shared + "_amax", (1,), None)
     if recipe == "static_block_awq":
-        add("input_quantizer._pre_quant_scale", shared + "_pre_quant_scale", (in_f,),
-            0 if kind == "row" else None)
+        add(
+            "input_quantizer._pre_quant_scale",
+            shared + "_pre_quant_scale",
+            (in_f,),
+            0 if kind == "row" else None,
+        )
     return state, truth
 
 
@@ -167,21 +215,27 @@ def upstream_grouped_entries(kind, recipe, c, layer, fc):
     num_gemms = NUM_EXPERTS // ep_size
     mlp_prefix = f"decoder.layers.{layer}.mlp.experts."
     linear = _standin_linear(kind, recipe, num_gemms)
-    state, truth = _local_quantizer_state(kind, recipe, num_gemms, c,
-                                          lambda i: ep_rank * num_gemms + i, mlp_prefix, fc)
+    state, truth = _local_quantizer_state(
+        kind, recipe, num_gemms, c, lambda i: ep_rank * num_gemms + i, mlp_prefix, fc
+    )
     dense = dict(tp_group=_Group(*c["tp"]), dp_cp_group=_Group(*c["dp"]))
     prefix = f"linear_fc{fc}."
     axes = linear._get_shard_axis_dict(state)
     sd = {}
     shared = {k: v for k, v in state.items() if not k.startswith("weight_quantizer.")}
-    sd.update(make_sharded_tensors_for_checkpoint(
-        shared, prefix, {k: a for k, a in axes.items() if k in shared}, (), **dense))
+    sd.update(
+        make_sharded_tensors_for_checkpoint(
+            shared, prefix, {k: a for k, a in axes.items() if k in shared}, (), **dense
+        )
+    )
     for i in range(num_gemms):
         subs = {k: v for k, v in state.items() if k.startswith(f"weight_quantizer.{i}.")}
         e = ep_rank * num_gemms + i
         # upstream: key f"{i}.weight_quantizer.{sub}", axis from the per-key shard_axis_dict
         expert_state = {f"{i}.weight_quantizer.{k.split('.', 2)[2]}": v for k, v in subs.items()}
-        expert_axis = {f"{i}.weight_quantizer.{k.split('.', 2)[2]}": axes[k] for k in subs if k in axes}
+        expert_axis = {
+            f"{i}.weight_quantizer.{k.split('.', 2)[2]}": axes[k] for k in subs if k in axes
+        }
         sub_sd = make_sharded_tensors_for_checkpoint(expert_state, "", expert_axis, (), **dense)
         replace_prefix_for_sharding(sub_sd, f"{i}.", f"{e}.{prefix}")
         for k, st in sub_sd.items():
@@ -205,7 +259,9 @@ def rank_entries(t, recipe, r, c, fixed: bool):
     out, truth = [], {}
     for layer in range(pp_rank * per_stage, (pp_rank + 1) * per_stage):
         for fc, kind in ((1, "column"), (2, "row")):
-            sd, linear, prefix, mlp_prefix, tr = upstream_grouped_entries(kind, recipe, c, layer, fc)
+            sd, linear, prefix, mlp_prefix, tr = upstream_grouped_entries(
+                kind, recipe, c, layer, fc
+            )
             truth.update(tr)
             if fixed:  # what the fix's grouped wrapper does after upstream returns
                 coords = ExpertCoords(*c["etp"], *c["ep"], *c["edp"])
@@ -234,12 +290,16 @@ def check_topology(t, recipe, fixed: bool) -> list[str]:
     for r, entries in enumerate(per_rank):
         for st in entries:
             g = truth[st.key]
-            if tuple(st.global_shape[st.prepend_axis_num:]) != tuple(g.shape) and g.numel() > 1:
-                problems.append(f"rank {r} {st.key}: global shape {st.global_shape} != {tuple(g.shape)}")
+            if tuple(st.global_shape[st.prepend_axis_num :]) != tuple(g.shape) and g.numel() > 1:
+                problems.append(
+                    f"rank {r} {st.key}: global shape {st.global_shape} != {tuple(g.shape)}"
+                )
                 continue
-            sl = tuple(slice(o, o + s) for o, s in zip(st.global_offset[st.prepend_axis_num:],
-                                                        st.local_shape))
-            want = g.reshape(st.global_shape[st.prepend_axis_num:])[sl] if g.numel() > 1 else g
+            sl = tuple(
+                slice(o, o + s)
+                for o, s in zip(st.global_offset[st.prepend_axis_num :], st.local_shape)
+            )
+            want = g.reshape(st.global_shape[st.prepend_axis_num :])[sl] if g.numel() > 1 else g
             if not torch.equal(want.reshape(st.data.shape), st.data):
                 problems.append(f"rank {r} {st.key}{list(st.global_offset)}: wrong slice")
     keys = {st.key for entries in per_rank for st in entries}
@@ -260,9 +320,14 @@ def test_modelopt_moe_grouped_sim_guard_upstream_fails():
     EP ranks written by nobody; TP != ETP with channel/block-split amax: wrong offsets), and passes
     where they coincide, so the simulation itself is sound."""
     failing = {(t, r) for t in TOPOLOGIES for r in RECIPES if check_topology(t, r, fixed=False)}
-    must_fail = {(t, r) for t in TOPOLOGIES for r in RECIPES
-                 if t[3] > t[1] or (t[1] > t[3] and t[2] > 1)
-                 or (t[1] != t[3] and r in ("per_channel", "static_block_awq"))}
+    must_fail = {
+        (t, r)
+        for t in TOPOLOGIES
+        for r in RECIPES
+        if t[3] > t[1]
+        or (t[1] > t[3] and t[2] > 1)
+        or (t[1] != t[3] and r in ("per_channel", "static_block_awq"))
+    }
     assert must_fail and must_fail <= failing, sorted(must_fail - failing)[:5]
     for same in [(1, 1, 1, 1, 1), (2, 1, 2, 1, 1), (2, 2, 1, 2, 1), (4, 1, 4, 1, 1)]:
         for r in ("fp8", "nvfp4", "per_channel"):

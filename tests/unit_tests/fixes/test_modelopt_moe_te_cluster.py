@@ -11,19 +11,19 @@ import importlib.util
 import json
 import os
 
+import modelopt_moe_cases as cases
 import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
 
-import modelopt_moe_cases as cases
-
 WORLD = 4
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                       reason="needs Transformer Engine"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
+    ),
     pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs"),
 ]
 

@@ -51,16 +51,24 @@ def test_modelopt_moe_install_and_reset(fix):
     from modelopt.torch.opt.plugins import megatron as opt_plugin
 
     plugin = _plugin()
-    originals = (plugin._MegatronParallelLinear.sharded_state_dict, ser.load, dc.load,
-                 opt_plugin._modelopt_get_extra_state)
+    originals = (
+        plugin._MegatronParallelLinear.sharded_state_dict,
+        ser.load,
+        dc.load,
+        opt_plugin._modelopt_get_extra_state,
+    )
     assert fix.apply().value == "active"
     assert fix.apply().value == "active"  # idempotent
     assert plugin._MegatronParallelLinear.sharded_state_dict.__wrapped__ is originals[0]
     assert ser.load.__wrapped__ is originals[1] and dc.load is ser.load
     assert opt_plugin._modelopt_get_extra_state.__wrapped__ is originals[3]
     fix.reset()
-    assert (plugin._MegatronParallelLinear.sharded_state_dict, ser.load, dc.load,
-            opt_plugin._modelopt_get_extra_state) == originals
+    assert (
+        plugin._MegatronParallelLinear.sharded_state_dict,
+        ser.load,
+        dc.load,
+        opt_plugin._modelopt_get_extra_state,
+    ) == originals
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without CUDA")
@@ -71,7 +79,9 @@ def test_modelopt_moe_extra_state_without_cuda(fix):
     from modelopt.torch.utils import safe_load
 
     def callback(module):
-        return {"modelopt_quantizer_state": {"weight_quantizer": {"num_bits": (4, 3), "axis": None}}}
+        return {
+            "modelopt_quantizer_state": {"weight_quantizer": {"num_bits": (4, 3), "axis": None}}
+        }
 
     upstream_module = torch.nn.Linear(2, 2)
     opt_plugin.register_modelopt_extra_state_callbacks(upstream_module, callback, lambda m, s: None)
@@ -99,37 +109,51 @@ P = "decoder.layers.3.mlp.experts.experts."
 
 
 def test_modelopt_moe_plan_maps_legacy_shared_layout():
-    sd = {"model": {f"a{e}": _st(f"{P}{e}.linear_fc1.weight_quantizer._amax", (1,)) for e in (4, 5)}}
+    sd = {
+        "model": {f"a{e}": _st(f"{P}{e}.linear_fc1.weight_quantizer._amax", (1,)) for e in (4, 5)}
+    }
     sd["model"]["w"] = _st(f"{P}4.linear_fc1.weight", (8, 4))
-    ckpt = {f"{P}linear_fc1.weight_quantizer._amax": ((1,), torch.float32),
-            f"{P}4.linear_fc1.weight": ((8, 4), torch.float32)}
+    ckpt = {
+        f"{P}linear_fc1.weight_quantizer._amax": ((1,), torch.float32),
+        f"{P}4.linear_fc1.weight": ((8, 4), torch.float32),
+    }
     plan = mm.plan_quantizer_layout(sd, ckpt)
     assert plan.errors == []
     assert list(plan.remaps) == [f"{P}linear_fc1.weight_quantizer._amax"]
     assert [path for path, _ in plan.remaps[f"{P}linear_fc1.weight_quantizer._amax"].entries] == [
-        ("model", "a4"), ("model", "a5")]
+        ("model", "a4"),
+        ("model", "a5"),
+    ]
 
 
 def test_modelopt_moe_plan_leaves_matching_and_absent_state_alone():
-    sd = {"x": _st(f"{P}0.linear_fc1.weight_quantizer._amax", (1,)),
-          "y": _st(f"{P}1.linear_fc1.input_quantizer._amax", (1,)),  # absent in every layout
-          "z": _st("decoder.layers.3.mlp.shared_experts.linear_fc1.weight_quantizer._amax", (1,))}
+    sd = {
+        "x": _st(f"{P}0.linear_fc1.weight_quantizer._amax", (1,)),
+        "y": _st(f"{P}1.linear_fc1.input_quantizer._amax", (1,)),  # absent in every layout
+        "z": _st("decoder.layers.3.mlp.shared_experts.linear_fc1.weight_quantizer._amax", (1,)),
+    }
     ckpt = {f"{P}0.linear_fc1.weight_quantizer._amax": ((1,), torch.float32)}
     plan = mm.plan_quantizer_layout(sd, ckpt)
     assert plan.errors == [] and plan.remaps == {}
 
 
 def test_modelopt_moe_plan_errors_name_key_and_both_layouts():
-    sd = {"a": _st(f"{P}2.linear_fc2.weight_quantizer._amax", (16, 1)),
-          "b": _st(f"{P}linear_fc1.input_quantizer._amax", (1,))}
-    ckpt = {f"{P}linear_fc2.weight_quantizer._amax": ((1, 4), torch.float32),
-            f"{P}0.linear_fc1.input_quantizer._amax": ((1,), torch.float32),
-            f"{P}1.linear_fc1.input_quantizer._amax": ((1,), torch.float32)}
+    sd = {
+        "a": _st(f"{P}2.linear_fc2.weight_quantizer._amax", (16, 1)),
+        "b": _st(f"{P}linear_fc1.input_quantizer._amax", (1,)),
+    }
+    ckpt = {
+        f"{P}linear_fc2.weight_quantizer._amax": ((1, 4), torch.float32),
+        f"{P}0.linear_fc1.input_quantizer._amax": ((1,), torch.float32),
+        f"{P}1.linear_fc1.input_quantizer._amax": ((1,), torch.float32),
+    }
     plan = mm.plan_quantizer_layout(sd, ckpt, "/ckpt")
     assert len(plan.errors) == 2
-    assert (f"model expects '{P}2.linear_fc2.weight_quantizer._amax' (per-expert layout, global "
-            f"shape (16, 1)), checkpoint /ckpt holds '{P}linear_fc2.weight_quantizer._amax' (one "
-            f"tensor shared by all experts of the linear, global shape (1, 4))") == plan.errors[0]
+    assert (
+        f"model expects '{P}2.linear_fc2.weight_quantizer._amax' (per-expert layout, global "
+        f"shape (16, 1)), checkpoint /ckpt holds '{P}linear_fc2.weight_quantizer._amax' (one "
+        f"tensor shared by all experts of the linear, global shape (1, 4))"
+    ) == plan.errors[0]
     assert f"model expects '{P}linear_fc1.input_quantizer._amax'" in plan.errors[1]
     assert "per-expert layout" in plan.errors[1] and "experts 0-1" in plan.errors[1]
 
@@ -137,7 +161,11 @@ def test_modelopt_moe_plan_errors_name_key_and_both_layouts():
 def test_modelopt_moe_expert_quantizer_sharded_tensor():
     st = _st(f"{P}0.linear_fc1.weight_quantizer._amax", (4, 1), replica_id=(0, 0, 0))
     split = mm.expert_quantizer_sharded_tensor(st, 0, tp_rank=1, tp_size=2, replica_rank=3)
-    assert (split.global_shape, split.global_offset, split.replica_id) == ((8, 1), (4, 0), (0, 0, 3))
+    assert (split.global_shape, split.global_offset, split.replica_id) == (
+        (8, 1),
+        (4, 0),
+        (0, 0, 3),
+    )
     assert split.data is st.data and split.key == st.key
     rep = mm.expert_quantizer_sharded_tensor(st, None, tp_rank=1, tp_size=2, replica_rank=0)
     assert (rep.global_shape, rep.global_offset, rep.replica_id) == ((4, 1), (0, 0), (0, 1, 0))
@@ -156,17 +184,33 @@ def test_save_checkpoint_wrapper_reads_args_as_upstream_does(monkeypatch):
         global_vars.get_args()  # what the wrapper called before: every non-persistent save failed
     seen = []
 
-    def upstream(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                 checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
-                 pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
-                 train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False):
+    def upstream(
+        iteration,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        num_floating_point_operations_so_far,
+        checkpointing_context=None,
+        pipeline_rank=None,
+        expert_rank=None,
+        tensor_rank=None,
+        pipeline_parallel=None,
+        expert_parallel=None,
+        non_persistent_ckpt=False,
+        train_data_iterator=None,
+        preprocess_common_state_dict_fn=None,
+        release=False,
+    ):
         seen.append((iteration, non_persistent_ckpt, checkpointing.has_nvidia_modelopt))
 
     wrapped = modelopt_state._wrap_save_checkpoint(upstream)
     had = getattr(checkpointing, "has_nvidia_modelopt", False)
     for kind in ("global", "local"):
-        monkeypatch.setattr(checkpointing, "get_args", lambda kind=kind: types.SimpleNamespace(
-            non_persistent_ckpt_type=kind))
+        monkeypatch.setattr(
+            checkpointing,
+            "get_args",
+            lambda kind=kind: types.SimpleNamespace(non_persistent_ckpt_type=kind),
+        )
         wrapped(3, None, None, None, 0, non_persistent_ckpt=True)
     wrapped(4, None, None, None, 0)  # persistent: args not even read
     assert seen == [(3, True, had), (3, True, False), (4, False, had)]
@@ -179,14 +223,18 @@ def test_save_checkpoint_wrapper_reads_args_as_upstream_does(monkeypatch):
 def test_modelopt_moe_every_part_probes_its_defect_on_the_pins(fix):
     """Each part of the group has its own probe, and each sees its defect on the pinned upstream."""
     assert [p.name for p in fix.parts] == [
-        "modelopt_moe.expert_sharding", "modelopt_moe.legacy_layout",
-        "modelopt_moe.extra_state_cuda_sync", "modelopt_state"]
+        "modelopt_moe.expert_sharding",
+        "modelopt_moe.legacy_layout",
+        "modelopt_moe.extra_state_cuda_sync",
+        "modelopt_state",
+    ]
     assert [p.upstream_behaves() for p in fix.parts] == [False] * 4
     assert not torch.distributed.is_initialized(), "a probe leaked its private process group"
 
 
 def test_modelopt_moe_legacy_layout_probe_accepts_a_fixed_upstream():
     import megatron.core.dist_checkpointing.serialization as ser
+
     from megatron.fixes.modelopt_moe import legacy_layout
 
     assert legacy_layout.probe_upstream_maps_legacy_layout(ser.load) is False

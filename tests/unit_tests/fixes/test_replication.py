@@ -16,12 +16,11 @@ import shutil
 import sys
 
 import pytest
+import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
 import torch
 
 from tests.functional_tests.fault_injection import flip_byte_in_largest_storage
 from tests.helpers.dist import run_distributed
-
-import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
 
 pytestmark = pytest.mark.slow  # several processes: not in the quick lane
 
@@ -105,20 +104,30 @@ def _model(rank: int, quantized_cls=D.FakeFloat8Tensor) -> tuple[dict, dict]:
     q16 = D.quantize(w_bf16, quantized_cls)
     plain = torch.randn(5, 7, generator=g)
     tensors = {"layer.q_fp32": q32, "layer.q_bf16": q16, "layer.plain": plain}
-    expected = {"layer.q_fp32": q32.dequantize(), "layer.q_bf16": q16.dequantize(), "layer.plain": plain}
+    expected = {
+        "layer.q_fp32": q32.dequantize(),
+        "layer.q_bf16": q16.dequantize(),
+        "layer.plain": plain,
+    }
     assert torch.isfinite(expected["layer.q_fp32"]).all()
     return tensors, expected
 
 
 def _gather_expected(expected: dict) -> list:
     """Every rank's expected tensors (sent as raw bytes: pickling float8/uint16 is unsupported)."""
-    mine = {k: (str(v.dtype), tuple(v.shape), bytes(_bytes(v).numpy())) for k, v in expected.items()}
+    mine = {
+        k: (str(v.dtype), tuple(v.shape), bytes(_bytes(v).numpy())) for k, v in expected.items()
+    }
     out = [None] * WORLD
     torch.distributed.all_gather_object(out, mine)
 
     def rebuild(dtype, shape, raw):
         dt = getattr(torch, dtype.removeprefix("torch."))
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw
+            else torch.empty(0, dtype=torch.uint8)
+        )
         return flat.view(dt).reshape(shape) if raw else torch.empty(shape, dtype=dt)
 
     return [{k: rebuild(*v) for k, v in d.items()} for d in out]
@@ -140,7 +149,10 @@ def _check_files_against(root, all_expected, scenario, algorithm="xxh3_64"):
                 assert _bitwise_equal(got, want), (where, key, got, want)
             record = ck.get_record(sd)
             assert record is not None and record["owner_rank"] == owner, where
-            assert (record["algorithm"], record["version"]) == (algorithm, 1 if algorithm == "xxh3_64" else 2), where
+            assert (record["algorithm"], record["version"]) == (
+                algorithm,
+                1 if algorithm == "xxh3_64" else 2,
+            ), where
             for e in record["entries"]:  # each checksum is the algorithm's value of the bytes
                 want = all_expected[owner][e["key"]]
                 assert e["checksum"] == ck.tensor_checksum(want, algorithm), (where, e["key"])
@@ -277,8 +289,9 @@ def _fixed_dense(rank, root, strategy=None, algorithm="xxh3_64"):
     all_expected = _gather_expected({k: v.contiguous() for k, v in tensors.items()})
     _manager(root, strategy).save(_tasd(rank, tensors), ITER)
     _barrier()
-    _check_files_against(root, all_expected, f"dense views and gloo-unsupported dtypes, {algorithm}",
-                         algorithm)
+    _check_files_against(
+        root, all_expected, f"dense views and gloo-unsupported dtypes, {algorithm}", algorithm
+    )
 
 
 class _DeferredWork:
@@ -303,7 +316,9 @@ def _fixed_buckets(rank, root, algorithm="xxh3_64"):
     from megatron.fixes.replication import FixedCliqueReplicationStrategy, plan
 
     g = torch.Generator().manual_seed(7 + rank)
-    sizes = [3, 40, 1, 200, 17, 64, 5] + [int(n) for n in torch.randint(1, 24, (40,), generator=torch.Generator().manual_seed(3))]
+    sizes = [3, 40, 1, 200, 17, 64, 5] + [
+        int(n) for n in torch.randint(1, 24, (40,), generator=torch.Generator().manual_seed(3))
+    ]
     # (same sizes on every rank: megatron-core's sharding validation needs that)
     tensors = {f"t{i:02d}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
     all_expected = _gather_expected(tensors)
@@ -328,7 +343,9 @@ def _staging_reuse(rank):
 
     g = torch.Generator().manual_seed(11 + rank)
     count = 60 if rank == 0 else 2
-    tensors = [torch.randn(int(n), generator=g) for n in torch.randint(1, 24, (count,), generator=g)]
+    tensors = [
+        torch.randn(int(n), generator=g) for n in torch.randint(1, 24, (count,), generator=g)
+    ]
     expected = [None] * WORLD
     torch.distributed.all_gather_object(expected, [t.clone() for t in tensors])
     strategy = R.FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
@@ -361,8 +378,10 @@ class _Opaque(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         unwrap = lambda x: x._inner if isinstance(x, _Opaque) else x  # noqa: E731
-        return func(*torch.utils._pytree.tree_map(unwrap, args),
-                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return func(
+            *torch.utils._pytree.tree_map(unwrap, args),
+            **torch.utils._pytree.tree_map(unwrap, kwargs or {}),
+        )
 
 
 def _refused(rank, root):
@@ -425,9 +444,9 @@ def _transit_corruption(rank, root, algorithm="xxh3_64"):
 
 
 def _fixed_save_body(rank, world, root):
-    from megatron.fixes.replication import FIX
-
     from nvidia_resiliency_ext.checkpointing.local.replication import strategies
+
+    from megatron.fixes.replication import FIX
 
     upstream_cls = strategies.CliqueReplicationStrategy  # a name bound before apply()
     FIX.apply()
@@ -437,9 +456,16 @@ def _fixed_save_body(rank, world, root):
         _fixed_quantized(rank, os.path.join(root, kind), _strategy(kind), D.FakeFloat8Tensor, kind)
     bound = upstream_cls.from_replication_params(1, WORLD)
     assert type(bound) is upstream_cls
-    _fixed_quantized(rank, os.path.join(root, "bound"), bound, D.FakeFloat8Tensor, "bound before apply")
-    _fixed_quantized(rank, os.path.join(root, "noq"), _strategy(), D.FakeFloat8TensorNoQuantizer,
-                     "quantizer dropped by pickling")
+    _fixed_quantized(
+        rank, os.path.join(root, "bound"), bound, D.FakeFloat8Tensor, "bound before apply"
+    )
+    _fixed_quantized(
+        rank,
+        os.path.join(root, "noq"),
+        _strategy(),
+        D.FakeFloat8TensorNoQuantizer,
+        "quantizer dropped by pickling",
+    )
     _fixed_dense(rank, os.path.join(root, "dense"))
     _fixed_buckets(rank, os.path.join(root, "buckets"))
     _staging_reuse(rank)
@@ -575,7 +601,9 @@ def _memory_body(rank, world):
 
     g = torch.Generator().manual_seed(rank)
     tensors = {f"big{i:02d}": torch.randn(1 << 20, generator=g) for i in range(16)}  # direct sends
-    tensors.update({f"small{i:03d}": torch.randn(1 << 14, generator=g) for i in range(256)})  # packed
+    tensors.update(
+        {f"small{i:03d}": torch.randn(1 << 14, generator=g) for i in range(256)}
+    )  # packed
     own = sum(t.nbytes for t in tensors.values())  # 80 MiB; the peer holds as much
     bucket, depth = 4 << 20, 2
     strategy = R.FixedCliqueReplicationStrategy.from_replication_params(1, WORLD)
@@ -596,7 +624,9 @@ def _memory_body(rank, world):
     assert all(a is b for a, b in zip(hollows[rank].tensors, originals))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset"
+)
 def test_peak_extra_memory_is_replicas_plus_staging(tmp_path):
     """Fixed, 2 gloo ranks, 80 MiB per rank (16 tensors of 4 MiB sent directly, 256 of 64 KiB
     packed into 4 MiB buckets, depth 2): the peak resident memory that replicate() adds (Linux

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
 import torch
 
-import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @pytest.fixture
@@ -55,8 +57,11 @@ def test_replicate_hashes_on_the_gpu_without_host_copies_for_checksums(nccl_grou
     assert all(s.device.type == "cpu" for s in stored)
     assert all(torch.equal(s, t.cpu()) for s, t in zip(stored, tensors))
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    d2h = [e for e in events if "DtoH" in e.name or "Device -> Pageable" in e.name
-           or "Device -> Pinned" in e.name]
+    d2h = [
+        e
+        for e in events
+        if "DtoH" in e.name or "Device -> Pageable" in e.name or "Device -> Pinned" in e.name
+    ]
     # one host copy per stored tensor plus one read of all digests; nothing for hashing
     assert len(d2h) <= len(tensors) + 1, [e.name for e in d2h]
     assert any("pmix64" in e.name for e in events), sorted({e.name for e in events})

@@ -6,10 +6,10 @@ import pickle
 import random
 
 import pytest
+import replication_doubles as D
 import torch
 import xxhash
 
-import replication_doubles as D
 from megatron.fixes import FixStatus
 from megatron.fixes import replication as R
 from megatron.integrity import checksums as ck
@@ -66,8 +66,13 @@ def test_record_roundtrip_and_verification():
     a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int64)
     entries = [ck.make_entry(0, "w.a", a, global_offset=(0, 0)), ck.make_entry(1, "w.b", b)]
     assert entries[0] == {
-        "index": 0, "key": "w.a", "global_offset": [0, 0], "dtype": "float32", "shape": [3, 4],
-        "nbytes": 48, "checksum": ck.tensor_checksum(a),
+        "index": 0,
+        "key": "w.a",
+        "global_offset": [0, 0],
+        "dtype": "float32",
+        "shape": [3, 4],
+        "nbytes": 48,
+        "checksum": ck.tensor_checksum(a),
     }
 
     h = _Holder()
@@ -244,7 +249,9 @@ def test_stands_aside_when_upstream_already_dequantizes(clean_fix, monkeypatch):
 
     def behaving_replicate(self, local_ckpt, id_):
         tensors = [
-            (t.dequantize() if type(t).dequantize is not torch.Tensor.dequantize else t).contiguous()
+            (
+                t.dequantize() if type(t).dequantize is not torch.Tensor.dequantize else t
+            ).contiguous()
             for t in local_ckpt.pop_tensors()
         ]
         others = self.local_group.all_gather_object(local_ckpt)

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 EXPERT = "expert-parallel-rng"
 
 
-
 def _body(rank, world_size, tmp_path):
     import torch
-    from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
-    from megatron.cpu import runtime
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
     from megatron.training import checkpointing, global_vars
 
+    from megatron.cpu import runtime
     from megatron.fixes.rng_state_ep import FIX
 
     runtime.activate()
@@ -64,10 +64,14 @@ def _body(rank, world_size, tmp_path):
     all_old = gather(old_saved[EXPERT])
     advance()
     got = load(tmp_path / "old")
-    assert torch.equal(got[EXPERT], all_old[0]), "upstream restores rank 0's expert stream everywhere"
+    assert torch.equal(got[EXPERT], all_old[0]), (
+        "upstream restores rank 0's expert stream everywhere"
+    )
     assert not torch.equal(all_old[0], all_old[1])
     if rank == 1:
-        assert not torch.equal(got[EXPERT], old_saved[EXPERT]), "guard: the defect is gone upstream?"
+        assert not torch.equal(got[EXPERT], old_saved[EXPERT]), (
+            "guard: the defect is gone upstream?"
+        )
 
     # fixed: every rank gets its own states back, every stream bitwise
     FIX.apply()

@@ -44,21 +44,39 @@ class _Timers:
 
 def _args(log_interval: int):
     return types.SimpleNamespace(
-        log_interval=log_interval, timing_log_level=0, perform_rl_step=False, micro_batch_size=2,
-        data_parallel_size=2, gtp_weight_remat_size=1, world_size=2, seq_length=64,
-        freeze_all_layers=False, num_experts=None, mtp_num_layers=None, dsa_indexer_loss_coeff=None,
-        record_memory_history=False, log_throughput=False, log_timers_to_tensorboard=False,
-        train_iters=100, consumed_train_samples=0, skipped_train_samples=0, log_energy=False,
-        log_memory_interval=None, rl_profile=False, rl_use_sequence_packing=False,
-        tensorboard_log_interval=1)
+        log_interval=log_interval,
+        timing_log_level=0,
+        perform_rl_step=False,
+        micro_batch_size=2,
+        data_parallel_size=2,
+        gtp_weight_remat_size=1,
+        world_size=2,
+        seq_length=64,
+        freeze_all_layers=False,
+        num_experts=None,
+        mtp_num_layers=None,
+        dsa_indexer_loss_coeff=None,
+        record_memory_history=False,
+        log_throughput=False,
+        log_timers_to_tensorboard=False,
+        train_iters=100,
+        consumed_train_samples=0,
+        skipped_train_samples=0,
+        log_energy=False,
+        log_memory_interval=None,
+        rl_profile=False,
+        rl_use_sequence_packing=False,
+        tensorboard_log_interval=1,
+    )
 
 
 @pytest.fixture
 def printed(monkeypatch):
     """Runs ``training_log`` for (iteration, loss) pairs of one start; returns the printed losses
     (iteration -> value of the ``lm loss:`` field)."""
-    from megatron.cpu import runtime  # upstream allocates its accumulators on device='cuda'
     from megatron.training import training
+
+    from megatron.cpu import runtime  # upstream allocates its accumulators on device='cuda'
 
     runtime.activate()
     lines: list[str] = []
@@ -66,20 +84,40 @@ def printed(monkeypatch):
     def run(losses: list[tuple[int, float]], log_interval: int = 1) -> dict[int, float]:
         args = _args(log_interval)
         stubs = dict(
-            get_args=lambda: args, get_timers=_Timers, get_tensorboard_writer=lambda: None,
-            get_wandb_writer=lambda: None, get_one_logger=lambda: None,
-            get_energy_monitor=lambda: None, get_num_microbatches=lambda: 1,
+            get_args=lambda: args,
+            get_timers=_Timers,
+            get_tensorboard_writer=lambda: None,
+            get_wandb_writer=lambda: None,
+            get_one_logger=lambda: None,
+            get_energy_monitor=lambda: None,
+            get_num_microbatches=lambda: 1,
             num_floating_point_operations=lambda *a, **k: 1.0,
             reduce_max_stat_across_model_parallel_group=lambda value, group=None: value,
-            print_rank_last=lines.append, one_logger_utils=mock.MagicMock())
+            print_rank_last=lines.append,
+            one_logger_utils=mock.MagicMock(),
+        )
         total: dict = {}
-        with mock.patch.multiple(training, **stubs), \
-                mock.patch("megatron.training.global_vars.get_args", lambda: args):
+        with (
+            mock.patch.multiple(training, **stubs),
+            mock.patch("megatron.training.global_vars.get_args", lambda: args),
+        ):
             for n, (iteration, loss) in enumerate(losses):
                 args.consumed_train_samples += 4
                 training.training_log(
-                    {"lm loss": torch.tensor([loss])}, total, 1e-3, iteration, 1.0, False, 0,
-                    1.0, None, None, None, pg_collection=None, is_first_iteration=n == 0)
+                    {"lm loss": torch.tensor([loss])},
+                    total,
+                    1e-3,
+                    iteration,
+                    1.0,
+                    False,
+                    0,
+                    1.0,
+                    None,
+                    None,
+                    None,
+                    pg_collection=None,
+                    is_first_iteration=n == 0,
+                )
         out = {}
         for line in lines:
             m = re.search(r"iteration\s+(\d+)/.*\blm loss: (\S+) \|", line)
@@ -111,12 +149,14 @@ def test_fixed_line_prints_its_own_iteration(printed):
         assert printed([(16, 6.0), (17, 5.0), (18, 4.0)]) == {16: 6.0, 17: 5.0, 18: 4.0}
         # --log-interval 10, start at 16 (not a boundary): the line at 20 still covers 16-20, as
         # upstream intends for interval statistics
-        got = printed([(16, 6.0), (17, 5.0), (18, 4.0), (19, 3.0), (20, 2.0), (21, 9.0)],
-                      log_interval=10)
+        got = printed(
+            [(16, 6.0), (17, 5.0), (18, 4.0), (19, 3.0), (20, 2.0), (21, 9.0)], log_interval=10
+        )
         assert got == {16: 6.0, 20: 4.0}
         # --log-interval 5, start at 15 (a boundary): 16-20 is a regular interval
-        got = printed([(15, 6.0), (16, 5.0), (17, 4.0), (18, 3.0), (19, 2.0), (20, 1.0)],
-                      log_interval=5)
+        got = printed(
+            [(15, 6.0), (16, 5.0), (17, 4.0), (18, 3.0), (19, 2.0), (20, 1.0)], log_interval=5
+        )
         assert got == {15: 6.0, 20: 3.0}
     finally:
         FIX.reset()

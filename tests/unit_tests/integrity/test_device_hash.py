@@ -18,10 +18,27 @@ from megatron.integrity import checksums as ck
 from megatron.integrity import device_hash as dh
 
 ALGORITHMS = ("xxh3_64", "pmix64")
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn,
-          torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64)
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
+_REPO = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 
 
 def _random(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
@@ -51,15 +68,21 @@ def test_pmix64_misaligned_and_chunk_boundaries():
     """Storage not 8-byte aligned (a view at a byte offset) and tensors spanning several chunks."""
     base = _random(torch.uint8, (3 * 8 * dh.CHUNK_WORDS + 40,), seed=5)
     for off, length in ((3, 8 * dh.CHUNK_WORDS + 5), (8, 2 * 8 * dh.CHUNK_WORDS), (1, 17)):
-        view = base[off:off + length]
+        view = base[off : off + length]
         assert dh.pmix64(view, "torch") == dh.pmix64_reference(_bytes(view)), (off, length)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_dtype_and_non_contiguous(dtype):
     t = _random(dtype, (6, 10), seed=1)
-    views = {"contiguous": t, "strided": t[:, ::3], "transposed": t.t(), "offset": t.reshape(-1)[3:41],
-             "0-d": t[2, 3], "empty": t[:0]}
+    views = {
+        "contiguous": t,
+        "strided": t[:, ::3],
+        "transposed": t.t(),
+        "offset": t.reshape(-1)[3:41],
+        "0-d": t[2, 3],
+        "empty": t[:0],
+    }
     for name, v in views.items():
         want = dh.pmix64_reference(_bytes(v))
         assert dh.pmix64(v, "torch") == want, name
@@ -96,9 +119,12 @@ def test_triton_kernel_equals_torch_ops_in_the_interpreter():
     value bit for bit (aligned, unaligned, tails, several blocks, dtypes, non-contiguous)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=_REPO)
-    out = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0 and "TRITON_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    out = subprocess.run(
+        [sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and "TRITON_OK" in out.stdout, (
+        out.stdout[-2000:] + out.stderr[-3000:]
+    )
 
 
 @pytest.mark.gpu
@@ -109,8 +135,8 @@ def test_cuda_equals_cpu(dtype):
     for name, v in {"contiguous": t, "strided": t[:, ::2], "offset": t.reshape(-1)[5:]}.items():
         want = dh.pmix64(v, "torch")
         cuda = v.cuda()
-        assert dh.pmix64(cuda) == want, name                      # Triton kernel
-        assert dh.pmix64(cuda, "torch") == want, name             # torch ops on the GPU
+        assert dh.pmix64(cuda) == want, name  # Triton kernel
+        assert dh.pmix64(cuda, "torch") == want, name  # torch ops on the GPU
         assert ck.tensor_checksum(cuda, "xxh3_64") == ck.tensor_checksum(v, "xxh3_64"), name
 
 
@@ -121,7 +147,9 @@ def test_every_single_bit_flip_changes_the_checksum(algorithm):
     data = _random(torch.uint8, (1 << 20,), seed=3).clone()
     base = ck.tensor_checksum(data, algorithm)
     g = torch.Generator().manual_seed(4)
-    bits = [0, 8 * data.numel() - 1] + torch.randint(0, 8 * data.numel(), (256,), generator=g).tolist()
+    bits = [0, 8 * data.numel() - 1] + torch.randint(
+        0, 8 * data.numel(), (256,), generator=g
+    ).tolist()
     for bit in bits:
         data[bit // 8] ^= 1 << (bit % 8)
         assert ck.tensor_checksum(data, algorithm) != base, bit
@@ -134,7 +162,9 @@ def test_word_swaps_truncation_and_padding_change_the_checksum(algorithm):
     words = _random(torch.int64, (1 << 14,), seed=6).clone()
     base = ck.tensor_checksum(words, algorithm)
     g = torch.Generator().manual_seed(7)
-    for i, j in [(0, 1), (0, words.numel() - 1)] + torch.randint(0, words.numel(), (32, 2), generator=g).tolist():
+    for i, j in [(0, 1), (0, words.numel() - 1)] + torch.randint(
+        0, words.numel(), (32, 2), generator=g
+    ).tolist():
         if words[i] == words[j]:
             continue
         swapped = words.clone()
@@ -150,12 +180,19 @@ def test_deterministic_across_processes():
     """The same value in another process (no per-process seed)."""
     t = _random(torch.float32, (1000,), seed=8)
     here = (ck.tensor_checksum(t, "pmix64"), ck.tensor_checksum(t, "xxh3_64"))
-    code = ("import torch; from megatron.integrity import checksums as ck; "
-            "g = torch.Generator().manual_seed(8); "
-            "t = torch.randint(0, 256, (4000,), dtype=torch.uint8, generator=g).view(torch.float32); "
-            "print(ck.tensor_checksum(t, 'pmix64'), ck.tensor_checksum(t, 'xxh3_64'))")
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=_REPO),
-                         capture_output=True, text=True, timeout=300)
+    code = (
+        "import torch; from megatron.integrity import checksums as ck; "
+        "g = torch.Generator().manual_seed(8); "
+        "t = torch.randint(0, 256, (4000,), dtype=torch.uint8, generator=g).view(torch.float32); "
+        "print(ck.tensor_checksum(t, 'pmix64'), ck.tensor_checksum(t, 'xxh3_64'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=_REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.stdout.split() == [str(v) for v in here], out.stderr[-2000:]
 
 
@@ -173,16 +210,36 @@ def test_records_of_both_versions_verify():
     still verifies; a version-2 record names pmix64 and verifies; a flipped byte fails both; a
     version-1 record naming another algorithm, or an unknown algorithm, is refused."""
     tensors = [_random(torch.bfloat16, (4, 5), seed=9), _random(torch.float32, (7,), seed=10)]
-    v1 = {"format": "megatron.integrity.tensor_checksums", "version": 1, "algorithm": "xxh3_64",
-          "owner_rank": 1,
-          "entries": [{"index": i, "key": f"k{i}", "global_offset": None, "dtype": ck.dtype_name(t.dtype),
-                       "shape": list(t.shape), "nbytes": t.nbytes, "checksum": ck.checksum_bytes(_bytes(t))}
-                      for i, t in enumerate(tensors)]}
-    assert ck.make_record(1, v1["entries"]) == v1  # what make_record writes for xxh3_64 is unchanged
-    v2 = ck.make_record(1, [ck.make_entry(i, f"k{i}", t, algorithm="pmix64") for i, t in enumerate(tensors)],
-                        "pmix64")
+    v1 = {
+        "format": "megatron.integrity.tensor_checksums",
+        "version": 1,
+        "algorithm": "xxh3_64",
+        "owner_rank": 1,
+        "entries": [
+            {
+                "index": i,
+                "key": f"k{i}",
+                "global_offset": None,
+                "dtype": ck.dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "nbytes": t.nbytes,
+                "checksum": ck.checksum_bytes(_bytes(t)),
+            }
+            for i, t in enumerate(tensors)
+        ],
+    }
+    assert (
+        ck.make_record(1, v1["entries"]) == v1
+    )  # what make_record writes for xxh3_64 is unchanged
+    v2 = ck.make_record(
+        1,
+        [ck.make_entry(i, f"k{i}", t, algorithm="pmix64") for i, t in enumerate(tensors)],
+        "pmix64",
+    )
     assert (v2["version"], v2["algorithm"]) == (2, "pmix64")
-    assert [e["checksum"] for e in v2["entries"]] == [dh.pmix64_reference(_bytes(t)) for t in tensors]
+    assert [e["checksum"] for e in v2["entries"]] == [
+        dh.pmix64_reference(_bytes(t)) for t in tensors
+    ]
     for record in (v1, v2):
         got = ck.get_record(_SD(tensors, record))
         assert all(e["algorithm"] == record["algorithm"] for e in got["entries"])

@@ -13,9 +13,18 @@ from megatron.integrity import local_identity as li
 
 
 def _args(**kw):
-    base = dict(seed=1234, data_path=None, mock_data=True, num_layers=2, hidden_size=64, save=None,
-                world_size=2, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                data_parallel_size=2)
+    base = dict(
+        seed=1234,
+        data_path=None,
+        mock_data=True,
+        num_layers=2,
+        hidden_size=64,
+        save=None,
+        world_size=2,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        data_parallel_size=2,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -23,11 +32,17 @@ def _args(**kw):
 def test_derived_run_id_is_stable_and_changes_with_what_defines_the_experiment(tmp_path):
     a = li.run_identity(_args(), token="t1")
     assert a == li.run_identity(_args(), token="t1")
-    assert a[1] == "derived" and len(a[0]) == 16 and a[2]["seed"] == 1234 and a[2]["run_token"] == "t1"
+    assert (
+        a[1] == "derived" and len(a[0]) == 16 and a[2]["seed"] == 1234 and a[2]["run_token"] == "t1"
+    )
     # schedule, logging, --load: same run
     assert li.run_identity(_args(train_iters=99, log_interval=5, load="/x"), token="t1")[0] == a[0]
-    for other in (li.run_identity(_args(seed=999), token="t1"), li.run_identity(_args(hidden_size=128), token="t1"),
-                  li.run_identity(_args(), token="t2"), li.run_identity(_args(), token=None)):
+    for other in (
+        li.run_identity(_args(seed=999), token="t1"),
+        li.run_identity(_args(hidden_size=128), token="t1"),
+        li.run_identity(_args(), token="t2"),
+        li.run_identity(_args(), token=None),
+    ):
         assert other[0] != a[0]
     explicit = li.run_identity(_args(seed=999, local_tier_run_id="exp-7"), token="t2")
     assert explicit[:2] == ("exp-7", li.RUN_ID_FLAG)
@@ -36,7 +51,12 @@ def test_derived_run_id_is_stable_and_changes_with_what_defines_the_experiment(t
 def test_data_paths_are_resolved_and_weights_kept(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     s = li.run_settings(_args(data_path=["0.3", "a/corpus", "0.7", "b/corpus"]))
-    assert s["data_path"] == ["0.3", os.path.realpath("a/corpus"), "0.7", os.path.realpath("b/corpus")]
+    assert s["data_path"] == [
+        "0.3",
+        os.path.realpath("a/corpus"),
+        "0.7",
+        os.path.realpath("b/corpus"),
+    ]
 
 
 def test_run_token_is_created_once_and_never_replaced(tmp_path):
@@ -60,8 +80,10 @@ def test_identity_problems_name_what_differs():
     assert "written by another run" in p and "seed 1234 (checkpoint) vs 999 (this run)" in p
     tp2 = li.topology(_args(tensor_model_parallel_size=2, data_parallel_size=1))
     (p,) = li.identity_problems(rec, run_id, settings, tp2, 12, 1)
-    assert p == ("written under another topology: data_parallel_size 2 (checkpoint) vs 1 (this run), "
-                 "tensor_model_parallel_size 1 (checkpoint) vs 2 (this run)")
+    assert p == (
+        "written under another topology: data_parallel_size 2 (checkpoint) vs 1 (this run), "
+        "tensor_model_parallel_size 1 (checkpoint) vs 2 (this run)"
+    )
     (p,) = li.identity_problems(rec, run_id, settings, topo, 14, 0)
     assert "holds rank 1's shard of iteration 12, its name says rank 0, iteration 14" in p
     (p,) = li.identity_problems(None, run_id, settings, topo, 12, 1)

@@ -38,7 +38,9 @@ def test_hash_file_blocks_and_digest(tmp_path):
     import xxhash
 
     assert d.size == len(data) and len(d.blocks) == 4
-    assert list(d.blocks) == [xxhash.xxh3_64_hexdigest(data[i:i + 1000]) for i in range(0, len(data), 1000)]
+    assert list(d.blocks) == [
+        xxhash.xxh3_64_hexdigest(data[i : i + 1000]) for i in range(0, len(data), 1000)
+    ]
     assert mf.hash_file(tmp_path / "f", block_bytes=1000) == d  # deterministic
     assert mf.hash_file(_write(tmp_path / "e", b"")).blocks == ()
 
@@ -61,8 +63,11 @@ def test_every_single_file_defect_is_named_with_its_range(tmp_path):
     assert mf.check_files(d, man) == []
 
     _flip(d / "__0_0.distcp", 3456)  # block 3
-    assert mf.check_files(d, man) == [mf.FileProblem(
-        "__0_0.distcp", "bytes differ from what was saved (xxh3-64 block digest)", 3000, 3999)]
+    assert mf.check_files(d, man) == [
+        mf.FileProblem(
+            "__0_0.distcp", "bytes differ from what was saved (xxh3-64 block digest)", 3000, 3999
+        )
+    ]
     _flip(d / "__0_0.distcp", 3456)
     with open(d / "__1_0.distcp", "r+b") as f:
         f.truncate(1234)
@@ -123,7 +128,11 @@ def _state(rank: int, world: int):
 
     g = torch.Generator().manual_seed(7)
     full = torch.randn(world, N, generator=g)
-    return {"w": ShardedTensor.from_rank_offsets("decoder.w", full[rank:rank + 1].clone(), (0, rank, world))}
+    return {
+        "w": ShardedTensor.from_rank_offsets(
+            "decoder.w", full[rank : rank + 1].clone(), (0, rank, world)
+        )
+    }
 
 
 def _data_offset(ckpt: Path, file: str) -> int:
@@ -131,7 +140,9 @@ def _data_offset(ckpt: Path, file: str) -> int:
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(str(ckpt)).read_metadata()
-    (info,) = [v for k, v in md.storage_data.items() if k.fqn == "decoder.w" and v.relative_path == file]
+    (info,) = [
+        v for k, v in md.storage_data.items() if k.fqn == "decoder.w" and v.relative_path == file
+    ]
     return int(info.offset) + int(info.length) // 2
 
 
@@ -145,8 +156,8 @@ def _load(ckpt: Path, rank: int, world: int, **kw) -> torch.Tensor:
 
 def _body(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
-
     from megatron.core import dist_checkpointing
+
     from megatron.cpu import runtime
     from megatron.training_ext import persistent_tier as pt
 
@@ -169,7 +180,9 @@ def _body(rank: int, world: int, tmp: str) -> None:
         _flip(up / "__1_0.distcp", _data_offset(up, "__1_0.distcp"))
     dist.barrier()
     got = _load(up, rank, world)
-    assert torch.equal(got, want) == (rank == 0), "upstream should load rank 1's flipped value silently"
+    assert torch.equal(got, want) == (rank == 0), (
+        "upstream should load rank 1's flipped value silently"
+    )
 
     pt.install(type("A", (), {})())  # defaults: write and verify
     try:
@@ -199,8 +212,11 @@ def _body(rank: int, world: int, tmp: str) -> None:
             with open(up / "__0_0.distcp", "r+b") as f:
                 f.truncate(size - 100)
         dist.barrier()
-        with pytest.raises(mf.CheckpointIntegrityError, match=r"__0_0.distcp: truncated: \d+ bytes, .metadata "
-                                                              r"places data up to byte \d+.*holds decoder.w"):
+        with pytest.raises(
+            mf.CheckpointIntegrityError,
+            match=r"__0_0.distcp: truncated: \d+ bytes, .metadata "
+            r"places data up to byte \d+.*holds decoder.w",
+        ):
             _load(up, rank, world)
         # upstream's --verify-integrity semantics: a checkpoint without integrity.json is refused
         pt._VERIFIED.clear()
@@ -219,4 +235,3 @@ def _body(rank: int, world: int, tmp: str) -> None:
 
 def test_save_and_verify_on_two_ranks(tmp_path):
     run_distributed(_body, 2, str(tmp_path))
-

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
 from megatron.integrity.persistent import CheckpointInputError, PersistentCheckpoint
 from megatron.integrity.verify import IterationMismatchError, verify_checkpoint
 from tests.functional_tests.launch import both_tiers_at, run_pretrain
@@ -38,8 +38,11 @@ def ckpt(tmp_path_factory) -> Path:
     w = tmp_path_factory.mktemp("verify_run")
     run_pretrain(w, *both_tiers_at(w, ITER), "--verify-integrity")
     assert sorted(str(p.relative_to(w / "local")) for p in (w / "local").rglob("*.pt")) == [
-        "0/iter_0000010_0_local.pt", "0/iter_0000010_1_local.pt",
-        "1/iter_0000010_0_local.pt", "1/iter_0000010_1_local.pt"]
+        "0/iter_0000010_0_local.pt",
+        "0/iter_0000010_1_local.pt",
+        "1/iter_0000010_0_local.pt",
+        "1/iter_0000010_1_local.pt",
+    ]
     assert (w / "ckpt" / "iter_0000010" / "integrity.json").is_file()
     return w
 
@@ -82,8 +85,11 @@ def _file_offset_of(path: Path, t: torch.Tensor) -> int:
     want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     so = t.storage_offset() * t.element_size()
     raw = path.read_bytes()
-    hits = [off + so for off, size in _record_data_offsets(path)
-            if so + len(want) <= size and raw[off + so:off + so + len(want)] == want]
+    hits = [
+        off + so
+        for off, size in _record_data_offsets(path)
+        if so + len(want) <= size and raw[off + so : off + so + len(want)] == want
+    ]
     assert len(hits) == 1, hits
     return hits[0]
 
@@ -115,10 +121,25 @@ def test_clean_local_vs_persistent_all_equal(ckpt, tmp_path):
     assert per[(0, "primary")] == per[(0, "replica")] and per[(1, "primary")] == per[(1, "replica")]
     # CLI: exit 0, JSON report
     out = tmp_path / "r.json"
-    assert cli_main(["--local-dir", str(ckpt / "local"), "--persistent-dir", str(ckpt / "ckpt"),
-                     "--json", str(out), "--no-progress", "--quiet"]) == 0
+    assert (
+        cli_main(
+            [
+                "--local-dir",
+                str(ckpt / "local"),
+                "--persistent-dir",
+                str(ckpt / "ckpt"),
+                "--json",
+                str(out),
+                "--no-progress",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
-    assert d["ok"] is True and d["iteration"] == ITER and d["summary"]["tensors_equal"] == s["tensors"]
+    assert (
+        d["ok"] is True and d["iteration"] == ITER and d["summary"]["tensors_equal"] == s["tensors"]
+    )
 
 
 # --- corrupted local files ---------------------------------------------------------------------
@@ -130,13 +151,23 @@ def corrupted(ckpt, tmp_path_factory):
     file held by rank 1, (b) a NaN written into element 5 of a shard in rank 1's *primary*."""
     w = _copy(ckpt, tmp_path_factory.mktemp("corrupted"))
     rep_file = w / "local" / "1" / "iter_0000010_0_local.pt"
-    sh = _pick_shard(rep_file, lambda s: s.prepend_axis_num == 1 and s.global_offset[0] == 1
-                     and s.data.dtype == torch.float32 and s.data.dim() == 2 and s.data.numel() > 100)
+    sh = _pick_shard(
+        rep_file,
+        lambda s: s.prepend_axis_num == 1
+        and s.global_offset[0] == 1
+        and s.data.dtype == torch.float32
+        and s.data.dim() == 2
+        and s.data.numel() > 100,
+    )
     off = _file_offset_of(rep_file, sh.data) + 37 * 4
     _patch(rep_file, off, bytes([rep_file.read_bytes()[off] ^ 0x01]))  # mantissa LSB of element 37
     prim_file = w / "local" / "1" / "iter_0000010_1_local.pt"
-    sh2 = _pick_shard(prim_file, lambda s: s.data.dtype == torch.float32 and s.data.numel() > 10
-                      and not s.key.startswith("optimizer"))
+    sh2 = _pick_shard(
+        prim_file,
+        lambda s: s.data.dtype == torch.float32
+        and s.data.numel() > 10
+        and not s.key.startswith("optimizer"),
+    )
     _patch(prim_file, _file_offset_of(prim_file, sh2.data) + 5 * 4, NAN_F32)
     return w, sh, sh2
 
@@ -156,25 +187,43 @@ def test_flipped_bit_in_replica_and_nan_in_primary_are_classified(corrupted, tmp
     rep = _verify(w)
     assert not rep.ok
     kinds = sorted(p.kind for p in rep.problems)
-    assert kinds == ["checksum_mismatch", "checksum_mismatch", "nonfinite", "value_mismatch", "value_mismatch"], \
-        rep.format_text()
+    assert kinds == [
+        "checksum_mismatch",
+        "checksum_mismatch",
+        "nonfinite",
+        "value_mismatch",
+        "value_mismatch",
+    ], rep.format_text()
     by = {(p.kind, p.file): p for p in rep.problems}
     # (a) the flipped bit: replica of rank 0's shard, held by rank 1
     for kind in ("checksum_mismatch", "value_mismatch"):
         p = by[(kind, "1/iter_0000010_0_local.pt")]
         assert (p.role, p.holder_rank, p.owner_rank, p.key, p.global_offset) == (
-            "replica", 1, 0, sh.key, list(sh.global_offset))
+            "replica",
+            1,
+            0,
+            sh.key,
+            list(sh.global_offset),
+        )
     v = by[("value_mismatch", "1/iter_0000010_0_local.pt")].details
     assert v["differing_elements"] == 1
     assert v["first_difference_global_index"] == _expected_global_index(sh, 37)
     assert v["persistent_nan"] == 0 and 0 < v["max_abs_difference"] < 1e-3
-    assert v["first_difference_values"][1] == sh.data.reshape(-1)[37].item()  # the persistent value is the original
+    assert (
+        v["first_difference_values"][1] == sh.data.reshape(-1)[37].item()
+    )  # the persistent value is the original
     assert v["suspect"].startswith("local file changed after save")
     # the primary of the same shard (rank 0's own directory) is intact
     assert not [p for p in rep.problems if p.file == "0/iter_0000010_0_local.pt"]
     # (b) the NaN: rank 1's primary
     n = by[("nonfinite", "1/iter_0000010_1_local.pt")]
-    assert (n.role, n.holder_rank, n.owner_rank, n.key, n.details) == ("primary", 1, 1, sh2.key, {"nan": 1, "inf": 0})
+    assert (n.role, n.holder_rank, n.owner_rank, n.key, n.details) == (
+        "primary",
+        1,
+        1,
+        sh2.key,
+        {"nan": 1, "inf": 0},
+    )
     vb = by[("value_mismatch", "1/iter_0000010_1_local.pt")].details
     assert vb["differing_elements"] == 1 and vb["first_difference_values"][0] == "nan"
     assert vb["first_difference_global_index"] == _expected_global_index(sh2, 5)
@@ -184,15 +233,35 @@ def test_flipped_bit_in_replica_and_nan_in_primary_are_classified(corrupted, tmp
     assert s["tensors_equal"] == s["tensors_compared"] - 2
     rows = {r["key"]: r for r in rep.mismatch_rows()}
     r = rows[sh.key]
-    assert (r["shards"], r["value"], r["checksum"], r["replica"], r["primary"], r["owners"], r["holders"]) == (
-        1, 1, 1, 1, 0, "0", "1")
+    assert (
+        r["shards"],
+        r["value"],
+        r["checksum"],
+        r["replica"],
+        r["primary"],
+        r["owners"],
+        r["holders"],
+    ) == (1, 1, 1, 1, 0, "0", "1")
     assert r["indices"] == "(1)"  # layer 1 (first prepended axis)
     r2 = rows[sh2.key]
     assert (r2["nonfinite"], r2["primary"], r2["replica"]) == (1, 1, 0)
     # CLI: exit status 1, same problems in the JSON
     out = tmp_path / "r.json"
-    assert cli_main(["--local-dir", str(w / "local"), "--persistent-dir", str(w / "ckpt" / "iter_0000010"),
-                     "--json", str(out), "--no-progress", "--quiet"]) == 1
+    assert (
+        cli_main(
+            [
+                "--local-dir",
+                str(w / "local"),
+                "--persistent-dir",
+                str(w / "ckpt" / "iter_0000010"),
+                "--json",
+                str(out),
+                "--no-progress",
+                "--quiet",
+            ]
+        )
+        == 1
+    )
     d = json.loads(out.read_text())
     assert sorted(p["kind"] for p in d["problems"]) == kinds
     assert d == {**rep.to_dict(), "timing": d["timing"]}
@@ -202,7 +271,9 @@ def test_missing_replica_is_reported(ckpt, tmp_path):
     w = _copy(ckpt, tmp_path)
     (w / "local" / "1" / "iter_0000010_0_local.pt").unlink()
     rep = _verify(w)
-    assert [(p.kind, p.owner_rank) for p in rep.problems] == [("missing_copy", 0)], rep.format_text()
+    assert [(p.kind, p.owner_rank) for p in rep.problems] == [("missing_copy", 0)], (
+        rep.format_text()
+    )
     assert "--replication-factor 2" in rep.problems[0].message
 
 
@@ -217,7 +288,9 @@ def test_persistent_alone_clean(ckpt):
     assert rep.mode == "persistent" and rep.iteration == ITER
     assert s["tensors"] == sum(len(m.chunks) for m in pc.tensors.values())
     assert s["objects_read"] == len(pc.objects)
-    assert s["bytes_scanned"] == sum(m.size.numel() * m.properties.dtype.itemsize for m in pc.tensors.values())
+    assert s["bytes_scanned"] == sum(
+        m.size.numel() * m.properties.dtype.itemsize for m in pc.tensors.values()
+    )
     assert rep.manifest == {"present": True, "verified": True, "files": 4, "failed_files": []}
 
 
@@ -244,12 +317,14 @@ def _chunk_data_offset(pc: PersistentCheckpoint, key: str, chunk) -> tuple[Path,
 
     info = pc.storage[MetadataIndex(key, chunk.offsets)]
     path = pc.path / info.relative_path
-    blob = path.read_bytes()[info.offset:info.offset + info.length]
+    blob = path.read_bytes()[info.offset : info.offset + info.length]
     import io
 
     with zipfile.ZipFile(io.BytesIO(blob)) as zf:
-        (rec,) = [i for i in zf.infolist() if "/data/" in i.filename and "/.data/" not in i.filename]
-    n, m = struct.unpack("<HH", blob[rec.header_offset + 26:rec.header_offset + 30])
+        (rec,) = [
+            i for i in zf.infolist() if "/data/" in i.filename and "/.data/" not in i.filename
+        ]
+    n, m = struct.unpack("<HH", blob[rec.header_offset + 26 : rec.header_offset + 30])
     return path, info.offset + rec.header_offset + 30 + n + m
 
 
@@ -258,7 +333,11 @@ def test_persistent_corrupted_chunk(ckpt, tmp_path):
     manifest; against the local files every copy of that region mismatches -> suspect: persistent."""
     w = _copy(ckpt, tmp_path)
     pc = PersistentCheckpoint(w / "ckpt" / "iter_0000010")
-    key = next(k for k in sorted(pc.tensors) if k.startswith("decoder.layers.") and k.endswith("linear_fc1.weight"))
+    key = next(
+        k
+        for k in sorted(pc.tensors)
+        if k.startswith("decoder.layers.") and k.endswith("linear_fc1.weight")
+    )
     chunk = pc.tensors[key].chunks[0]
     path, off = _chunk_data_offset(pc, key, chunk)
     _patch(path, off + 4 * 3, NAN_F32)  # element 3 of the chunk
@@ -267,13 +346,20 @@ def test_persistent_corrupted_chunk(ckpt, tmp_path):
     rep = verify_checkpoint(None, w / "ckpt")
     assert sorted(p.kind for p in rep.problems) == ["manifest", "nonfinite"], rep.format_text()
     n = next(p for p in rep.problems if p.kind == "nonfinite")
-    assert (n.key, n.global_offset, n.role, n.file, n.details) == (key, list(chunk.offsets), "persistent",
-                                                                      path.name, {"nan": 1, "inf": 0})
+    assert (n.key, n.global_offset, n.role, n.file, n.details) == (
+        key,
+        list(chunk.offsets),
+        "persistent",
+        path.name,
+        {"nan": 1, "inf": 0},
+    )
     assert rep.manifest["failed_files"] == [path.name]
 
     (w / "ckpt" / "iter_0000010" / "integrity.json").unlink()
     rep = verify_checkpoint(None, w / "ckpt")
-    assert [p.kind for p in rep.problems] == ["nonfinite"] and [p.kind for p in rep.warnings] == ["no_manifest"]
+    assert [p.kind for p in rep.problems] == ["nonfinite"] and [p.kind for p in rep.warnings] == [
+        "no_manifest"
+    ]
 
     # against the local checkpoint: both copies (primary and replica) of that region differ, their
     # checksums hold -> the persistent side is the suspect
@@ -281,7 +367,10 @@ def test_persistent_corrupted_chunk(ckpt, tmp_path):
     vm = [p for p in rep.problems if p.kind == "value_mismatch"]
     assert sorted(p.role for p in vm) == ["primary", "replica"], rep.format_text()
     assert all(p.key == key and p.global_offset == list(chunk.offsets) for p in vm)
-    assert all(p.details["suspect"].startswith("persistent") and p.details["persistent_nan"] == 1 for p in vm)
+    assert all(
+        p.details["suspect"].startswith("persistent") and p.details["persistent_nan"] == 1
+        for p in vm
+    )
     assert {p.kind for p in rep.problems} == {"value_mismatch"}
 
 
@@ -291,15 +380,30 @@ def test_persistent_corrupted_chunk(ckpt, tmp_path):
 def test_iteration_mismatch_and_missing_dirs(ckpt, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(ckpt / "ckpt" / "iter_0000010", other / "iter_0000020")
-    with pytest.raises(IterationMismatchError, match=r"persistent checkpoint .*iter_0000020 is iteration 20, the "
-                                                     r"local checkpoint .* holds iteration\(s\) \[10\]"):
+    with pytest.raises(
+        IterationMismatchError,
+        match=r"persistent checkpoint .*iter_0000020 is iteration 20, the "
+        r"local checkpoint .* holds iteration\(s\) \[10\]",
+    ):
         verify_checkpoint(ckpt / "local", other / "iter_0000020")
-    with pytest.raises(CheckpointInputError, match=r"has no iteration 10; it has iteration\(s\) \[20\]"):
+    with pytest.raises(
+        CheckpointInputError, match=r"has no iteration 10; it has iteration\(s\) \[20\]"
+    ):
         verify_checkpoint(ckpt / "local", other)
     with pytest.raises(CheckpointInputError, match="has no iteration 20"):
         verify_checkpoint(ckpt / "local", ckpt / "ckpt", iteration=20)
-    assert cli_main(["--local-dir", str(ckpt / "local"), "--persistent-dir", str(other / "iter_0000020"),
-                     "--no-progress"]) == 2
+    assert (
+        cli_main(
+            [
+                "--local-dir",
+                str(ckpt / "local"),
+                "--persistent-dir",
+                str(other / "iter_0000020"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "iteration mismatch" in capsys.readouterr().err
     assert cli_main(["--local-dir", str(tmp_path / "missing"), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -317,8 +421,12 @@ def _dist_body(rank, world, local_dir, persistent, truncated, out_dir):
     b = vc(None, truncated, group=dist.group.WORLD)
     assert a.timing["workers"] == 2
     if rank == 0:
-        Path(out_dir, "a.json").write_text(json.dumps(a.to_dict(include_timing=False), sort_keys=True))
-        Path(out_dir, "b.json").write_text(json.dumps(b.to_dict(include_timing=False), sort_keys=True))
+        Path(out_dir, "a.json").write_text(
+            json.dumps(a.to_dict(include_timing=False), sort_keys=True)
+        )
+        Path(out_dir, "b.json").write_text(
+            json.dumps(b.to_dict(include_timing=False), sort_keys=True)
+        )
     # every rank got the whole report
     assert len(a.files) == 4 and not a.ok
 
@@ -329,10 +437,15 @@ def test_distributed_report_equals_single_process(corrupted, ckpt, tmp_path):
     f = trunc / "ckpt" / "iter_0000010" / "__0_0.distcp"
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size - 1000)
-    run_distributed(_dist_body, 2, str(w / "local"), str(w / "ckpt"), str(trunc / "ckpt"), str(tmp_path))
+    run_distributed(
+        _dist_body, 2, str(w / "local"), str(w / "ckpt"), str(trunc / "ckpt"), str(tmp_path)
+    )
     single_a = json.loads(json.dumps(_verify(w).to_dict(include_timing=False), sort_keys=True))
-    single_b = json.loads(json.dumps(verify_checkpoint(None, trunc / "ckpt").to_dict(include_timing=False),
-                                     sort_keys=True))
+    single_b = json.loads(
+        json.dumps(
+            verify_checkpoint(None, trunc / "ckpt").to_dict(include_timing=False), sort_keys=True
+        )
+    )
     dist_a = json.loads((tmp_path / "a.json").read_text())
     dist_b = json.loads((tmp_path / "b.json").read_text())
     assert dist_a == single_a

@@ -14,7 +14,11 @@ import torch
 
 from megatron.integrity import checksums as ck
 from megatron.integrity._readahead import ReadAhead
-from megatron.integrity.persistent import CheckpointInputError, check_chunk_cover, resolve_persistent_dir
+from megatron.integrity.persistent import (
+    CheckpointInputError,
+    check_chunk_cover,
+    resolve_persistent_dir,
+)
 from megatron.integrity.report import Problem, VerifyReport, format_table, normalize_key
 from megatron.integrity.verify import (
     _assign,
@@ -30,11 +34,18 @@ from megatron.integrity.verify import (
 
 def test_normalize_key_replaces_numeric_segments_only():
     assert normalize_key("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight") == (
-        "decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight", (3, 7))
+        "decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+        (3, 7),
+    )
     assert normalize_key("decoder.layers.self_attention.linear_qkv.weight") == (
-        "decoder.layers.self_attention.linear_qkv.weight", ())
+        "decoder.layers.self_attention.linear_qkv.weight",
+        (),
+    )
     # digits inside a name are not a segment
-    assert normalize_key("embedding.fp8_meta.layer12x.weight") == ("embedding.fp8_meta.layer12x.weight", ())
+    assert normalize_key("embedding.fp8_meta.layer12x.weight") == (
+        "embedding.fp8_meta.layer12x.weight",
+        (),
+    )
     assert normalize_key("0.weight.1") == ("*.weight.*", (0, 1))
 
 
@@ -58,10 +69,14 @@ def test_bytes_equal_is_bitwise():
     assert not bytes_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
     assert not bytes_equal(a, a.double())
     assert not bytes_equal(a, a[:2])
-    assert bytes_equal(torch.arange(12.).reshape(3, 4).t(), torch.arange(12.).reshape(3, 4).t().contiguous())
+    assert bytes_equal(
+        torch.arange(12.0).reshape(3, 4).t(), torch.arange(12.0).reshape(3, 4).t().contiguous()
+    )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.complex64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.complex64]
+)
 def test_count_nonfinite(dtype):
     t = torch.zeros(1000, dtype=dtype)
     assert count_nonfinite(t) == (0, 0)
@@ -77,7 +92,9 @@ def test_count_nonfinite(dtype):
 
 
 @pytest.mark.parametrize("n", [0, 1, 1000, (1 << 18) + 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool]
+)
 def test_fused_scan_checksum_equals_tensor_checksum(n, dtype):
     g = torch.Generator().manual_seed(n)
     t = (torch.randn(n, generator=g) * 3).to(dtype)
@@ -106,12 +123,17 @@ def test_deep_difference():
 
 def test_assign_groups_owners_and_respects_visibility():
     # 2 owners x 2 copies, 2 ranks, shared storage: each rank gets one owner's primary + replica
-    files = [("0/iter_0000010_0_local.pt", 0, 100), ("1/iter_0000010_0_local.pt", 0, 100),
-             ("0/iter_0000010_1_local.pt", 1, 100), ("1/iter_0000010_1_local.pt", 1, 100)]
+    files = [
+        ("0/iter_0000010_0_local.pt", 0, 100),
+        ("1/iter_0000010_0_local.pt", 0, 100),
+        ("0/iter_0000010_1_local.pt", 1, 100),
+        ("1/iter_0000010_1_local.pt", 1, 100),
+    ]
     out = _local_units([files, files], 2)
     assert sorted(map(sorted, out.values())) == [
         ["0/iter_0000010_0_local.pt", "1/iter_0000010_0_local.pt"],
-        ["0/iter_0000010_1_local.pt", "1/iter_0000010_1_local.pt"]]
+        ["0/iter_0000010_1_local.pt", "1/iter_0000010_1_local.pt"],
+    ]
     # node-local storage: rank r sees only directory r -> it checks exactly those files
     vis = [[f for f in files if f[0].startswith("0/")], [f for f in files if f[0].startswith("1/")]]
     out = _local_units(vis, 2)
@@ -126,14 +148,30 @@ def test_format_table_and_report_json_roundtrip():
     txt = format_table(("key", "n"), [["a.b", 3], ["c", 12]])
     assert txt.splitlines()[2].endswith(" 3") and txt.splitlines()[3].startswith("c")
     rep = VerifyReport("local", "/l", None, 10)
-    rep.problems.append(Problem("nonfinite", "m", file="1/x.pt", holder_rank=1, owner_rank=0, role="replica",
-                                key="decoder.layers.mlp.linear_fc1.weight", global_offset=[1, 0, 0],
-                                prepend_axis_num=1))
+    rep.problems.append(
+        Problem(
+            "nonfinite",
+            "m",
+            file="1/x.pt",
+            holder_rank=1,
+            owner_rank=0,
+            role="replica",
+            key="decoder.layers.mlp.linear_fc1.weight",
+            global_offset=[1, 0, 0],
+            prepend_axis_num=1,
+        )
+    )
     d = json.loads(json.dumps(rep.to_dict()))
     assert d["ok"] is False and d["summary"]["problems_by_kind"] == {"nonfinite": 1}
     row = d["mismatch_table"][0]
-    assert (row["key"], row["shards"], row["nonfinite"], row["replica"], row["primary"], row["indices"]) == (
-        "decoder.layers.mlp.linear_fc1.weight", 1, 1, 1, 0, "(1)")
+    assert (
+        row["key"],
+        row["shards"],
+        row["nonfinite"],
+        row["replica"],
+        row["primary"],
+        row["indices"],
+    ) == ("decoder.layers.mlp.linear_fc1.weight", 1, 1, 1, 0, "(1)")
     assert Problem.from_dict(d["problems"][0]) == rep.problems[0]
 
 
@@ -151,7 +189,9 @@ def test_input_errors(tmp_path):
     it.mkdir(parents=True)
     (it / ".metadata").write_bytes(b"x")
     (it / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    with pytest.raises(CheckpointInputError, match=r"has no iteration 10; it has iteration\(s\) \[20\]"):
+    with pytest.raises(
+        CheckpointInputError, match=r"has no iteration 10; it has iteration\(s\) \[20\]"
+    ):
         resolve_persistent_dir(tmp_path / "root", 10)
     assert resolve_persistent_dir(tmp_path / "root") == (it, 20)
     (it / "metadata.json").write_text('{"sharded_backend": "fsdp_dtensor"}')
@@ -168,7 +208,11 @@ def test_discover_local_session_dirs_and_dirty(tmp_path):
     lay = discover_local(tmp_path)
     assert lay.rank_root == tmp_path / "sess" and lay.iterations == [10]
     assert [(f.holder_rank, f.owner_rank, f.role) for f in lay.files[10]] == [
-        (0, 0, "primary"), (0, 1, "replica"), (1, 0, "replica"), (1, 1, "primary")]
+        (0, 0, "primary"),
+        (0, 1, "replica"),
+        (1, 0, "replica"),
+        (1, 1, "primary"),
+    ]
     assert lay.dirty == ["sess/1/iter_0000020_1_local.dirty.pt"]
     (tmp_path / "sess2" / "0").mkdir(parents=True)
     (tmp_path / "sess2" / "0" / "iter_0000010_0_local.pt").write_bytes(b"x")

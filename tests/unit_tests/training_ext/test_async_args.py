@@ -9,7 +9,12 @@ import argparse
 
 import pytest
 
-from megatron.training_ext.args import CPU_ASYNC_FLAGS, add_fork_args, prepare_cpu_backend, validate_fork_args
+from megatron.training_ext.args import (
+    CPU_ASYNC_FLAGS,
+    add_fork_args,
+    prepare_cpu_backend,
+    validate_fork_args,
+)
 
 
 def _added(argv: list[str]) -> list[str]:
@@ -48,9 +53,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def test_async_save_with_local_checkpoints_is_refused():
-    with pytest.raises(SystemExit, match="--async-save with --non-persistent-ckpt-type local is not "
-                                         "supported.*cannot pickle"):
-        validate_fork_args(_parser().parse_args(["--async-save", "--non-persistent-ckpt-type", "local"]))
+    with pytest.raises(
+        SystemExit,
+        match="--async-save with --non-persistent-ckpt-type local is not supported.*cannot pickle",
+    ):
+        validate_fork_args(
+            _parser().parse_args(["--async-save", "--non-persistent-ckpt-type", "local"])
+        )
     validate_fork_args(_parser().parse_args(["--async-save"]))
     validate_fork_args(_parser().parse_args(["--non-persistent-ckpt-type", "local"]))
 

@@ -25,7 +25,9 @@ for i in range(2000):
 def _run_two(child: str) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     r, w = os.pipe()
-    procs = [subprocess.Popen([sys.executable, "-c", child, tag], stdout=w, env=env) for tag in "01"]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", child, tag], stdout=w, env=env) for tag in "01"
+    ]
     os.close(w)
     with os.fdopen(r) as f:
         out = f.read()
@@ -43,7 +45,11 @@ def test_write_line_lines_never_interleave():
 def test_guard_print_can_interleave():
     """The failure write_line prevents, with print(..., flush=True) in its place: merged lines
     (interleaved in 6 of 6 runs here; skipped, not failed, if the writers happen not to race)."""
-    lines = _run_two(_CHILD.replace("write_line(", "print(").replace(" + \"x\" * 120)", " + \"x\" * 120, flush=True)"))
+    lines = _run_two(
+        _CHILD.replace("write_line(", "print(").replace(
+            ' + "x" * 120)', ' + "x" * 120, flush=True)'
+        )
+    )
     bad = [ln for ln in lines if ln.count("[local-tier]") != 1 or not ln.endswith("x" * 120)]
     if not bad:
         pytest.skip("the two print() writers did not race this time")

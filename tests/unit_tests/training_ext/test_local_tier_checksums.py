@@ -25,10 +25,21 @@ def test_load_verification_reads_both_record_versions(algorithm):
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(64, 8, generator=g), torch.randn(5, generator=g).to(torch.bfloat16)]
     sd = _SD(tensors)
-    ck.attach_record(sd, ck.make_record(0, [ck.make_entry(i, f"tensor[{i}]", t, algorithm=algorithm)
-                                            for i, t in enumerate(tensors)], algorithm))
+    ck.attach_record(
+        sd,
+        ck.make_record(
+            0,
+            [
+                ck.make_entry(i, f"tensor[{i}]", t, algorithm=algorithm)
+                for i, t in enumerate(tensors)
+            ],
+            algorithm,
+        ),
+    )
     errors, summary = local_tier._verify(sd, "own primary", check_checksums=True)
     assert (errors, summary) == ([], "2 checksums")
     tensors[0].view(-1).view(torch.uint8)[100] ^= 0x01
     errors, _ = local_tier._verify(sd, "own primary", check_checksums=True)
-    assert len(errors) == 1 and "ChecksumMismatchError: own primary: 'tensor[0]'" in errors[0], errors
+    assert len(errors) == 1 and "ChecksumMismatchError: own primary: 'tensor[0]'" in errors[0], (
+        errors
+    )

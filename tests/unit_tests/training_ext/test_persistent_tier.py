@@ -48,7 +48,10 @@ def test_save_dir_rules(tmp_path):
         "typo": (str(tmp_path / "typo"), "does not exist \\(a typo\\?\\)"),
         "empty": (str(empty), "holds no checkpoint"),
         "none": (None, "no --load was given"),
-        "other": (str(_ckpt(tmp_path / "other", 3)), "resume from --load .*other, another directory"),
+        "other": (
+            str(_ckpt(tmp_path / "other", 3)),
+            "resume from --load .*other, another directory",
+        ),
     }
     for name, (load, why) in cases.items():
         with pytest.raises(SystemExit, match=why) as e:
@@ -91,13 +94,19 @@ def test_fallback_to_previous_complete_checkpoint(tmp_path, capsys):
     assert wrapped() == (5, 0)
     assert calls == [15, 10, 5] and state.ckpt_step is None  # 12 skipped, the user's value restored
     out = capsys.readouterr().out
-    assert "iter_0000015 failed verification" in out and "falling back to the previous complete checkpoint, iter_0000010" in out
+    assert (
+        "iter_0000015 failed verification" in out
+        and "falling back to the previous complete checkpoint, iter_0000010" in out
+    )
 
 
 def test_no_fallback_when_none_is_left_or_the_user_chose_the_step(tmp_path):
     root = _ckpt(tmp_path / "ck", 5, 10)
     state, load = _failing_load(root, {5, 10}, [])
-    with pytest.raises(CheckpointIntegrityError, match="no earlier complete checkpoint in .*also failed: iter_0000010"):
+    with pytest.raises(
+        CheckpointIntegrityError,
+        match="no earlier complete checkpoint in .*also failed: iter_0000010",
+    ):
         pt._wrap_load_checkpoint(load, lambda: state)()
     calls: list = []
     state, load = _failing_load(root, {10}, calls)
@@ -111,12 +120,20 @@ def test_no_fallback_when_none_is_left_or_the_user_chose_the_step(tmp_path):
 
 
 def test_no_training_data_is_refused():
-    names = dict(data_path=None, data_args_path=None, train_data_path=None, valid_data_path=None,
-                 test_data_path=None, per_split_data_args_path=None)
+    names = dict(
+        data_path=None,
+        data_args_path=None,
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+        per_split_data_args_path=None,
+    )
     with pytest.raises(SystemExit, match=r"give --data-path PREFIX .* or --mock-data"):
         data_checks.check_data_args(argparse.Namespace(mock_data=False, **names))
     data_checks.check_data_args(argparse.Namespace(mock_data=True, **names))
-    data_checks.check_data_args(argparse.Namespace(mock_data=False, **{**names, "data_path": ["x"]}))
+    data_checks.check_data_args(
+        argparse.Namespace(mock_data=False, **{**names, "data_path": ["x"]})
+    )
 
 
 def _dataset(prefix: str, docs) -> str:
@@ -144,7 +161,9 @@ def test_max_token_id_full_and_sampled(tmp_path):
 def _token_body(rank: int, world: int, prefix: str) -> None:
     assert data_checks.check_token_ids([prefix], 1000) == {prefix: 999}
     with pytest.raises(SystemExit, match=r"holds token id 999.*--vocab-size of at least 1000"):
-        data_checks.check_token_ids([prefix], 256)  # on both ranks, although only one slice holds it
+        data_checks.check_token_ids(
+            [prefix], 256
+        )  # on both ranks, although only one slice holds it
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused_on_every_rank(tmp_path):
@@ -170,7 +189,9 @@ def test_verifier_refuses_an_unwritable_json_path_up_front(tmp_path, capsys, whe
 
     path = {"missing_dir": tmp_path / "nope" / "r.json", "is_dir": tmp_path}[where]
     # exit 2 (usage) before anything is checked: the checkpoint directory does not even exist
-    assert main(["--persistent-dir", str(tmp_path / "no_checkpoint_here"), "--json", str(path)]) == 2
+    assert (
+        main(["--persistent-dir", str(tmp_path / "no_checkpoint_here"), "--json", str(path)]) == 2
+    )
     err = capsys.readouterr().err
     assert f"--json {path}: " in err and "give a path in a writable directory" in err
     assert "no_checkpoint_here" not in err
@@ -211,6 +232,8 @@ def test_inprocess_restart_is_refused_naming_ft_launcher():
     from megatron.training_ext.args import check_run_setup
 
     args = _args(inprocess_restart=True, mock_data=True)
-    with pytest.raises(SystemExit, match="--inprocess-restart is not supported.*ft_launcher's in-job restart"):
+    with pytest.raises(
+        SystemExit, match="--inprocess-restart is not supported.*ft_launcher's in-job restart"
+    ):
         check_run_setup(args)
     check_run_setup(_args(inprocess_restart=False, mock_data=True))
