@@ -18,8 +18,9 @@ run interleaved (one save and one load of each per repetition, the order rotatin
                         and the ranks verify a share each before the load
 
 Times are the slowest rank's wall time of one ``save`` (including its finalisation) or ``load``,
-in seconds; median and minimum over ``--reps`` (after one warm-up repetition of every variant). Written to ``--dir`` (default: a temporary
-directory), so the data is in the page cache when hashed and loaded, as right after a save.
+in seconds; median and minimum over ``--reps`` (after one warm-up repetition of every variant).
+Written to ``--dir`` (default: a temporary directory), so the data is in the page cache when
+hashed and loaded, as right after a save.
 
 Target: the fork's integrity under 10% of the save time.
 """
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
     times = out.get()
     med = {k: statistics.median(x) for k, x in times.items()}
     print(
-        f"{args.gib:g} GiB torch_dist checkpoint, {args.world} gloo ranks, {args.tensors} tensors per rank, "
+        f"{args.gib:g} GiB torch_dist checkpoint, {args.world} gloo ranks, "
+        f"{args.tensors} tensors per rank, "
         f"{args.reps} interleaved reps; slowest rank, seconds"
     )
     print("| variant | save median | save min | load median | load min |")
@@ -182,18 +184,21 @@ def main(argv=None) -> int:
     for v in VARIANTS:
         s, lo = times[(v, "save")], times[(v, "load")]
         print(
-            f"| {v} | {med[(v, 'save')]:.3f} | {min(s):.3f} | {med[(v, 'load')]:.3f} | {min(lo):.3f} |"
+            f"| {v} | {med[(v, 'save')]:.3f} | {min(s):.3f} | "
+            f"{med[(v, 'load')]:.3f} | {min(lo):.3f} |"
         )
     print()
     base_save, base_load = med[("upstream", "save")], med[("upstream", "load")]
     v = "upstream --verify-integrity"
     print(
-        f"{v}: save {med[(v, 'save')] / base_save:.2f}x, load {med[(v, 'load')] / base_load:.2f}x upstream"
+        f"{v}: save {med[(v, 'save')] / base_save:.2f}x, "
+        f"load {med[(v, 'load')] / base_load:.2f}x upstream"
     )
     v = "fork default"
     si, li = med[(v, "save_integrity")], med[(v, "load_integrity")]
     print(
-        f"{v}: save {med[(v, 'save')] / base_save:.2f}x, load {med[(v, 'load')] / base_load:.2f}x upstream; "
+        f"{v}: save {med[(v, 'save')] / base_save:.2f}x, "
+        f"load {med[(v, 'load')] / base_load:.2f}x upstream; "
         f"time inside the checksums (measured, slowest rank): save {si * 1e3:.0f} ms = "
         f"{100 * si / base_save:.1f}% of the upstream save, load {li * 1e3:.0f} ms = "
         f"{100 * li / base_save:.1f}% of the upstream save"

@@ -19,8 +19,9 @@ files that upstream's reader (``megatron.core.datasets.indexed_dataset.IndexedDa
   ``TikTokenizer`` with ``--tokenizer-model`` pointing at local files. Nothing is downloaded.
 * ``--tokenizer-type ByteLevelTokenizer`` (this fork's addition): megatron-core's byte-level
   tokenizer, UTF-8 bytes as ids 0-255 and an end-of-document id ``--vocab-size - 1`` (default
-  ``--vocab-size 257``: id 256). Train on it with ``--tokenizer-type NullTokenizer --vocab-size 257``
-  (NullTokenizer's end-of-document id is ``vocab_size - 1`` too; with 256, byte 0xFF would collide).
+  ``--vocab-size 257``: id 256). Train on it with
+  ``--tokenizer-type NullTokenizer --vocab-size 257`` (NullTokenizer's end-of-document id is
+  ``vocab_size - 1`` too; with 256, byte 0xFF would collide).
 * ``--append-eod`` appends the tokenizer's end-of-document id to every document (upstream: off).
 * ``--workers N`` tokenizes in N processes; the output order is the input order.
 
@@ -194,7 +195,8 @@ def _tokenize_value(value, where: str) -> list[int]:
 
 
 def _encode(item: tuple[str, str | None, bytes]) -> tuple[int, dict[str, list[int]] | None, str]:
-    """(where, kind, payload) -> (payload bytes, key -> token ids or None if skipped, why skipped)."""
+    """(where, kind, payload) -> (payload bytes, key -> token ids or None if skipped, why
+    skipped)."""
     where, kind, payload = item
     args = _worker["args"]
     if kind == "json":
@@ -247,7 +249,8 @@ def _dir_items(files: list[Path], stats: Stats) -> Iterator[tuple[str, str, byte
 
 
 def find_documents(input_dir: str, pattern: str = "*") -> list[Path]:
-    """Regular files under ``input_dir`` matching ``pattern`` (recursive), sorted for reproducibility.
+    """Regular files under ``input_dir`` matching ``pattern`` (recursive), sorted for
+    reproducibility.
 
     Raises:
         PreprocessError: the directory does not exist, cannot be read, or holds no matching file.

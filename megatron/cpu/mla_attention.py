@@ -1,8 +1,9 @@
 """Core attention for Multi-Latent Attention (MLA) on CPU, and the layer-spec swap that uses it.
 
 Upstream's local spec (``get_gpt_layer_local_spec(multi_latent_attention=True)``) cannot build MLA:
-``MultiLatentAttention`` builds its core attention with ``k_channels`` / ``v_channels`` (the query/key
-head size ``qk_head_dim + qk_pos_emb_head_dim`` differs from the value head size ``v_head_dim``),
+``MultiLatentAttention`` builds its core attention with ``k_channels`` / ``v_channels`` (the
+query/key head size ``qk_head_dim + qk_pos_emb_head_dim`` differs from the value head size
+``v_head_dim``),
 which only ``TEDotProductAttention`` accepts; the local ``DotProductAttention`` raises
 ``TypeError: __init__() got an unexpected keyword argument 'k_channels'`` and also assumes one head
 size (``kv_channels``) for its output. :class:`CpuMLACoreAttention` takes MLA's signature and
@@ -194,7 +195,8 @@ def cpu_mla_layer_spec(spec: Any, *, fuse_down_proj: bool = False) -> Any:
     """A copy of ``spec`` in which every MLA attention uses :class:`CpuMLACoreAttention`.
 
     Args:
-        spec: a layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec(multi_latent_attention=True)``),
+        spec: a layer ``ModuleSpec`` (e.g.
+            ``get_gpt_layer_local_spec(multi_latent_attention=True)``),
             ``TransformerLayerSubmodules``, a block spec with ``layer_specs``, or an MTP block
             spec; walked recursively through ``ModuleSpec.submodules``, dataclass fields and lists.
         fuse_down_proj: also replace ``MLASelfAttention`` by ``FusedMLASelfAttention`` with a

@@ -25,7 +25,10 @@ _BARE_PERCENT = re.compile(r"%(?!\(\w+\)[a-z]|%)")
 
 
 def unexpandable_help(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The actions of ``parser`` whose help string argparse cannot expand (``--help`` would raise)."""
+    """The actions of ``parser`` whose help string argparse cannot expand.
+
+    (``--help`` would raise on them.)
+    """
     formatter = parser._get_formatter()
     bad = []
     for action in parser._actions:

@@ -4,7 +4,8 @@ Replication over NCCL hashes each replica on the GPU (no host copy); the record 
 verified on a CPU at load or by the verifier. Definition (version 1), over a tensor's logical bytes
 ``b`` of length ``n`` (as in :mod:`megatron.integrity.checksums`), all arithmetic modulo 2**64::
 
-    mix(z)  = z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^ (z >> 31)
+    mix(z)  = z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
+              z ^ (z >> 31)
     w[i]    = the i-th little-endian 64-bit word of b, zero-padded to a multiple of 8 bytes
     S       = sum over i of mix(w[i] + (i + 1) * 0x9E3779B97F4A7C15)
     pmix64  = mix(S ^ (n * 0xD6E8FEB86659FD93 + 0x2545F4914F6CDD1D))
@@ -77,7 +78,10 @@ def pmix64_reference(data: bytes) -> int:
 
 
 def _shr(z: torch.Tensor, s: int, tmp: torch.Tensor) -> torch.Tensor:
-    """Logical right shift of int64 ``z`` into ``tmp`` (torch shifts signed values arithmetically)."""
+    """Logical right shift of int64 ``z`` into ``tmp``.
+
+    (Torch shifts signed values arithmetically.)
+    """
     torch.bitwise_right_shift(z, s, out=tmp)
     return tmp.bitwise_and_((1 << (64 - s)) - 1)
 

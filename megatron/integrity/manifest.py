@@ -131,8 +131,8 @@ class FileDigest:
 
 @dataclass
 class VerifySummary:
-    """What :func:`verify_checkpoint_dir` checked: ``algorithm`` (``None``: no manifest, sizes only),
-    ``files``, ``bytes`` hashed over all ranks, ``seconds`` (this rank's wall time)."""
+    """What :func:`verify_checkpoint_dir` checked: ``algorithm`` (``None``: no manifest, sizes
+    only), ``files``, ``bytes`` hashed over all ranks, ``seconds`` (this rank's wall time)."""
 
     algorithm: Optional[str]
     files: int = 0
@@ -238,7 +238,7 @@ def read_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Optional[dict]:
     except OSError as e:
         raise CheckpointIntegrityError(
             checkpoint_dir, [FileProblem(INTEGRITY_FNAME, f"unreadable ({e})")]
-        )
+        ) from e
     try:
         man = json.loads(text)
         files = man["files"]
@@ -247,7 +247,7 @@ def read_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Optional[dict]:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointIntegrityError(
             checkpoint_dir, [FileProblem(INTEGRITY_FNAME, f"not a valid manifest ({e})")]
-        )
+        ) from e
     algo = man.get("algorithm", UPSTREAM_ALGORITHM)
     if algo not in (ALGORITHM, UPSTREAM_ALGORITHM) or (
         algo == ALGORITHM and man.get("version") != VERSION

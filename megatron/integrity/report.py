@@ -28,39 +28,66 @@ REPORT_FORMAT = "megatron.integrity.verify_report"
 REPORT_VERSION = 1
 
 PROBLEM_KINDS: Dict[str, str] = {
-    "value_mismatch": "a local tensor's bytes differ from the same region of the persistent checkpoint",
+    "value_mismatch": (
+        "a local tensor's bytes differ from the same region of the persistent checkpoint"
+    ),
     "checksum_mismatch": "a local tensor's bytes do not match the xxh3 checksum stored in its file",
     "nonfinite": "a tensor holds NaN or Inf values",
     "dtype_mismatch": "local and persistent dtypes of a tensor differ (cannot compare bitwise)",
-    "missing_in_persistent": "a local tensor region / object is not (fully) in the persistent checkpoint",
+    "missing_in_persistent": (
+        "a local tensor region / object is not (fully) in the persistent checkpoint"
+    ),
     "object_mismatch": "a local ShardedObject differs from the persistent one",
     "unreadable": "a file, tensor chunk or object cannot be read / deserialised",
     "not_a_local_checkpoint": "a local file does not hold a tensor-aware state dict",
     "iteration": "a file's recorded iteration differs from the iteration being verified",
-    "coverage": "a persistent tensor's chunks do not tile its global shape exactly (gap, overlap, out of bounds)",
+    "coverage": (
+        "a persistent tensor's chunks do not tile its global shape exactly (gap, overlap, out of "
+        "bounds)"
+    ),
     "storage": "a persistent chunk's storage entry is missing or lies beyond the end of its file",
     "manifest": "megatron-core's integrity.json (SHA-256 per file) does not match the files",
     "local_incomplete": "the local files together do not hold every region of a persistent tensor",
-    "missing_copy": "an owner rank has fewer local copies (primary + replicas) than the replication factor",
+    "missing_copy": (
+        "an owner rank has fewer local copies (primary + replicas) than the replication factor"
+    ),
     "missing_owner": "no local file at all holds some rank's shard",
-    "copies_differ": "copies (primary and replicas) of one shard hold different tensors or identity records",
+    "copies_differ": (
+        "copies (primary and replicas) of one shard hold different tensors or identity records"
+    ),
     "mixed_saves": "the shards of one local iteration carry the identity of different saves / runs",
-    "identity": "a local file's identity record is unusable or names another iteration / owner than its file name",
+    "identity": (
+        "a local file's identity record is unusable or names another iteration / owner than its "
+        "file name"
+    ),
     "verifier_error": "the verifier itself failed on a file (the message has the traceback)",
 }
 """Kinds of :class:`Problem` that make a report fail (exit status 1)."""
 
 WARNING_KINDS: Dict[str, str] = {
-    "no_checksum_record": "a local file has no per-tensor checksum record (written without the replication fix)",
-    "no_manifest": "the persistent checkpoint has no integrity.json (saved without --verify-integrity)",
+    "no_checksum_record": (
+        "a local file has no per-tensor checksum record (written without the replication fix)"
+    ),
+    "no_manifest": (
+        "the persistent checkpoint has no integrity.json (saved without --verify-integrity)"
+    ),
     "dirty_file": "an unfinished local save (*.dirty.pt) is present",
-    "rejected_file": "a local file quarantined by the training run's local tier (<rank>/rejected/) is present",
-    "bad_tier_marker": "a bad-tier marker (<rank>/LOCAL_TIER_BAD.json) is present: the next start loads the "
-    "persistent checkpoint",
-    "incomplete_iteration": "a local iteration lacks some rank's shard (interrupted save) while another local "
-    "iteration is complete and consistent",
+    "rejected_file": (
+        "a local file quarantined by the training run's local tier (<rank>/rejected/) is present"
+    ),
+    "bad_tier_marker": (
+        "a bad-tier marker (<rank>/LOCAL_TIER_BAD.json) is present: the next start loads the "
+        "persistent checkpoint"
+    ),
+    "incomplete_iteration": (
+        "a local iteration lacks some rank's shard (interrupted save) while another local "
+        "iteration is complete and consistent"
+    ),
     "object_not_compared": "a local ShardedObject has no persistent counterpart to compare with",
-    "not_compared": "a local file is not a Megatron (MCore) tensor-aware state dict: only checksums and NaN/Inf checked",
+    "not_compared": (
+        "a local file is not a Megatron (MCore) tensor-aware state dict: only checksums and "
+        "NaN/Inf checked"
+    ),
 }
 """Kinds of :class:`Problem` reported as warnings only."""
 
@@ -102,16 +129,19 @@ class Problem:
 
     Attributes:
         kind: what is wrong (see the two tables).
-        message: human-readable, names the file / key / rank and what to do where useful.
-        file: path of the file concerned, relative to the local root (``"1/iter_0000010_0_local.pt"``)
-            or the persistent iteration directory (``"__0_0.distcp"``); ``None`` for global findings.
+        message: human-readable, names the file / key / rank and what to do where
+            useful.
+        file: path of the file concerned, relative to the local root
+            (``"1/iter_0000010_0_local.pt"``) or the persistent iteration directory
+            (``"__0_0.distcp"``); ``None`` for global findings.
         holder_rank: rank whose local directory holds the file (local files only).
         owner_rank: rank whose shard the file holds (file name ``iter_<it>_<owner>_local.pt``).
         role: ``"primary"`` (holder == owner), ``"replica"`` or ``"persistent"``.
         iteration: the local iteration concerned (local findings), else ``None``.
         key: ``ShardedTensor.key`` / ``ShardedObject.key`` / DCP key.
         global_offset: offset of the shard in the global tensor (elements, one per global axis).
-        prepend_axis_num: how many leading axes of ``global_offset`` are prepended (layer/expert) axes.
+        prepend_axis_num: how many leading axes of ``global_offset`` are prepended
+            (layer/expert) axes.
         shape: shard shape (the local tensor's shape).
         dtype: e.g. ``"bfloat16"``.
         nbytes: shard size in bytes.
@@ -159,9 +189,9 @@ class Problem:
 class FileResult:
     """Counts for one verified file (a local checkpoint file or a persistent ``.distcp`` file).
 
-    Bytes are tensor payload bytes (``numel * element_size``), not file sizes, except ``file_bytes``.
-    ``iteration`` and ``has_identity`` (an identity record of :mod:`megatron.integrity.local_identity`)
-    are set for local files only.
+    Bytes are tensor payload bytes (``numel * element_size``), not file sizes, except
+    ``file_bytes``. ``iteration`` and ``has_identity`` (an identity record of
+    :mod:`megatron.integrity.local_identity`) are set for local files only.
     """
 
     file: str
@@ -250,23 +280,27 @@ class VerifyReport:
 
     Attributes:
         mode: ``"local+persistent"``, ``"persistent"`` or ``"local"``.
-        local_dir / persistent_dir: what was verified (``persistent_dir`` is the iteration directory).
-        iteration: the training iteration verified (local alone, several iterations: the newest).
+        local_dir / persistent_dir: what was verified (``persistent_dir`` is the iteration
+            directory).
+        iteration: the training iteration verified (local alone, several iterations: the
+            newest).
         iterations: the local iterations whose files were checked: ``[iteration]``, all local
-            iterations when the local checkpoint is verified alone without an iteration given, ``[]``
-            for a persistent checkpoint alone.
-        local_iterations: local modes: per checked iteration, whether it is complete and consistent,
-            why not, and its shards' copies (see the module docstring); ``None`` for persistent alone.
+            iterations when the local checkpoint is verified alone without an iteration given,
+            ``[]`` for a persistent checkpoint alone.
+        local_iterations: local modes: per checked iteration, whether it is complete and
+            consistent, why not, and its shards' copies (see the module docstring); ``None`` for
+            persistent alone.
         newest_complete_iteration: the newest of ``local_iterations`` that is complete and
             consistent, ``None`` if none is.
         files: per-file counts, sorted by file name.
         problems: findings that make the verification fail, sorted.
         warnings: findings that do not.
-        manifest: result of megatron-core's ``integrity.json`` verification (``None`` if not run):
-            ``{"present": bool, "verified": bool | None, "files": int, "failed_files": [name, ...]}``.
-        timing: ``wall_s`` (seconds inside :func:`~megatron.integrity.verify.verify_checkpoint`, without
-            interpreter start-up), ``workers`` (processes), ``bytes_read`` (file bytes the checks
-            read, persistent chunks counted once per local copy compared with them),
+        manifest: result of megatron-core's ``integrity.json`` verification (``None`` if not
+            run): ``{"present": bool, "verified": bool | None, "files": int,
+            "failed_files": [name, ...]}``.
+        timing: ``wall_s`` (seconds inside :func:`~megatron.integrity.verify.verify_checkpoint`,
+            without interpreter start-up), ``workers`` (processes), ``bytes_read`` (file bytes the
+            checks read, persistent chunks counted once per local copy compared with them),
             ``file_bytes`` (size of the files verified: local files, or the persistent data files
             when verified alone) and ``gb_per_s`` (``file_bytes`` / ``wall_s`` / 10^9); not
             deterministic, excluded by ``to_dict(include_timing=False)``.
@@ -296,7 +330,10 @@ class VerifyReport:
         return 0 if self.ok else 1
 
     def sort(self) -> None:
-        """Sort files, problems and warnings (a report's content does not depend on who found what)."""
+        """Sort files, problems and warnings.
+
+        (A report's content does not depend on who found what.)
+        """
         self.files.sort(key=lambda f: (f.file, f.role))
         self.problems.sort(key=Problem.sort_key)
         self.warnings.sort(key=Problem.sort_key)
@@ -378,7 +415,11 @@ class VerifyReport:
             shards = r["_shards"]
 
             def n(pred):
-                return sum(1 for kinds, role in shards.values() if pred(kinds, role))
+                return sum(
+                    1
+                    for kinds, role in shards.values()  # noqa: B023 called in this iteration
+                    if pred(kinds, role)
+                )
 
             idx = sorted(r["_indices"])
             out.append(
@@ -432,8 +473,8 @@ class VerifyReport:
             f"iteration {it['iteration']}: {'; '.join(it['reasons'])}" for it in reversed(newer)
         )
         out.append(
-            f"newest complete and consistent local iteration: {'none' if newest is None else newest}"
-            + (f" ({why})" if why else "")
+            "newest complete and consistent local iteration: "
+            f"{'none' if newest is None else newest}" + (f" ({why})" if why else "")
         )
         return out
 

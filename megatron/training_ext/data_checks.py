@@ -161,8 +161,9 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, group=None) -> Dic
     if bad:
         listed = "; ".join(f"{p} holds token id {m}" for p, m in bad.items())
         raise SystemExit(
-            f"pretrain_gpt.py: the training data does not fit the model's vocabulary of {vocab_size} "
-            f"token ids (0-{vocab_size - 1}, --vocab-size or the tokenizer's size, padded by "
+            f"pretrain_gpt.py: the training data does not fit the model's vocabulary of "
+            f"{vocab_size} token ids (0-{vocab_size - 1}, --vocab-size or the tokenizer's size, "
+            f"padded by "
             f"--make-vocab-size-divisible-by): {listed}. Use the tokenizer the data was made with "
             f"(--tokenizer-type and its files), or a --vocab-size of at least "
             f"{max(bad.values()) + 1}."

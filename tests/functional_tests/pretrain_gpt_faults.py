@@ -5,10 +5,10 @@ set it trains exactly as ``pretrain_gpt.py`` does). Same command line:
     MEGATRON_TEST_FAULT=rank=1,iteration=4 \\
         torchrun --nproc-per-node 2 tests/functional_tests/pretrain_gpt_faults.py --cpu ...
 
-Same order as ``pretrain_gpt.py``: the fixes, then the CPU backend, then upstream's modules (``import
-pretrain_gpt``), then its ``main()``. The fault hooks are installed right after this fork's training
-hooks, through a wrapper of ``megatron.training_ext.args.install_training_hooks`` (patch registry,
-owner ``fault_injection``).
+Same order as ``pretrain_gpt.py``: the fixes, then the CPU backend, then upstream's modules
+(``import pretrain_gpt``), then its ``main()``. The fault hooks are installed right after this
+fork's training hooks, through a wrapper of
+``megatron.training_ext.args.install_training_hooks`` (patch registry, owner ``fault_injection``).
 """
 
 import sys

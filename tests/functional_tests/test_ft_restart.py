@@ -1,8 +1,8 @@
 """In-job restart with NVRx ``ft_launcher`` and the validated local checkpoint tier
 (``megatron/training_ext/local_tier.py``), on the real entrypoint (2 ranks, ``--cpu``).
 
-Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations and
-local checkpoints every 2, replicated to the other rank. Faults are deterministic
+Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations
+and local checkpoints every 2, replicated to the other rank. Faults are deterministic
 (:mod:`tests.functional_tests.fault_injection`; those runs launch the test entrypoint
 ``tests/functional_tests/pretrain_gpt_faults.py``): rank 1 leaves with ``os._exit(1)`` just before
 iteration 7, after the local checkpoint at 6 was saved.

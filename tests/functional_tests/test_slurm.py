@@ -29,7 +29,10 @@ from tests.helpers.dist import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 SBATCH = REPO / "examples" / "slurm" / "pretrain_gpt_local_ckpt.sbatch"
-MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"
+MODEL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64"
+)
 DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 257"
 TRAIN = (
     "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 "

@@ -118,14 +118,14 @@ WRAPPERS = {
     "torch.nn.functional.fractional_max_pool2d": lambda d: F.fractional_max_pool2d(
         ones(d, 1, 1, 8, 8), 2, output_size=4
     ),
-    "torch.nn.functional.fractional_max_pool2d_with_indices": lambda d: F.fractional_max_pool2d_with_indices(
-        ones(d, 1, 1, 8, 8), 2, output_size=4
+    "torch.nn.functional.fractional_max_pool2d_with_indices": (
+        lambda d: F.fractional_max_pool2d_with_indices(ones(d, 1, 1, 8, 8), 2, output_size=4)
     ),
     "torch.nn.functional.fractional_max_pool3d": lambda d: F.fractional_max_pool3d(
         ones(d, 1, 1, 8, 8, 8), 2, output_size=4
     ),
-    "torch.nn.functional.fractional_max_pool3d_with_indices": lambda d: F.fractional_max_pool3d_with_indices(
-        ones(d, 1, 1, 8, 8, 8), 2, output_size=4
+    "torch.nn.functional.fractional_max_pool3d_with_indices": (
+        lambda d: F.fractional_max_pool3d_with_indices(ones(d, 1, 1, 8, 8, 8), 2, output_size=4)
     ),
     "torch.nn.functional.rrelu_with_noise": None,
     "torch.nn.functional.rrelu_with_noise_": None,
@@ -282,7 +282,8 @@ for label, call in sorted(calls.items()):
             )
         checked += 1
 
-# 3. guard: upstream's fork check does see a CPU draw (so the absence of warnings above means something)
+# 3. guard: upstream's fork check does see a CPU draw (so the absence of warnings above means
+# something)
 before = warned.count
 with tracker.fork("stream"):
     torch.ones(4).normal_()

@@ -12,7 +12,8 @@ The stand-in reproduces what the ``fsdp_dtensor`` checkpoint code sees of a real
   tensor-parallel attributes as Megatron-FSDP sets them; the split into FSDP shards is chosen per
   parameter (uneven, with empty shards and shards straddling the q/kv boundary);
 * optimizer state ``{'state': {name: {'exp_avg', 'exp_avg_sq', 'step'}}, 'param_to_group_meta'}``
-  keyed by ``named_parameters()`` names, as ``DistributedOptimizer.sharded_param_state_fsdp_dtensor``.
+  keyed by ``named_parameters()`` names, as
+  ``DistributedOptimizer.sharded_param_state_fsdp_dtensor``.
 
 Values are deterministic functions of the *checkpoint* (unfused, ``transformer_layer``) key, so a
 fused rank can compute what it must hold after loading an unfused checkpoint, bit for bit.

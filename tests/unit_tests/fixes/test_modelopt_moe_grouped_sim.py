@@ -2,13 +2,13 @@
 
 ModelOpt's ``_QuantMegatronTEGroupedLinear`` only exists when TE imports, so this test simulates
 every rank of a topology in one process: for each simulated rank it builds the quantizer
-ShardedTensors that upstream's grouped ``sharded_state_dict`` produces (same helpers, dense groups as
-upstream uses them, per-expert keys ``...experts.experts.{e}.linear_fcN.weight_quantizer...``), applies
-the function the fix's grouped wrapper applies (``regroup_expert_linear_entries``, split axes from
-upstream's own ``_get_shard_axis_dict`` through the fix's ``_split_axes``), and then checks the set
-with Megatron's ``validate_sharding_integrity`` and by value: the local data of every entry, main
-replica or not, must be the slice of the true global tensor its offsets claim (which is what a load
-under any topology reads). The real TE model is in ``test_modelopt_moe_te_cluster``.
+ShardedTensors that upstream's grouped ``sharded_state_dict`` produces (same helpers, dense groups
+as upstream uses them, per-expert keys ``...experts.experts.{e}.linear_fcN.weight_quantizer...``),
+applies the function the fix's grouped wrapper applies (``regroup_expert_linear_entries``, split
+axes from upstream's own ``_get_shard_axis_dict`` through the fix's ``_split_axes``), and then
+checks the set with Megatron's ``validate_sharding_integrity`` and by value: the local data of every
+entry, main replica or not, must be the slice of the true global tensor its offsets claim (which is
+what a load under any topology reads). The real TE model is in ``test_modelopt_moe_te_cluster``.
 
 Topology: (world, TP, EP, ETP, PP); rank coordinates from Megatron's ``RankGenerator`` exactly as
 ``initialize_model_parallel`` builds them (order tp-cp-ep-dp-pp).

@@ -99,7 +99,8 @@ _TRITON_SCRIPT = textwrap.dedent(
     cases = []
     g = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (3 * 8 * dh.BLOCK_WORDS + 21,), dtype=torch.uint8, generator=g)
-    for n in (0, 1, 7, 8, 9, 100, 8 * dh.BLOCK_WORDS, 8 * dh.BLOCK_WORDS + 1, 3 * 8 * dh.BLOCK_WORDS + 21):
+    for n in (0, 1, 7, 8, 9, 100, 8 * dh.BLOCK_WORDS, 8 * dh.BLOCK_WORDS + 1, """
+    """3 * 8 * dh.BLOCK_WORDS + 21):
         cases.append(raw[:n])
     cases.append(raw[3:3 + 8 * dh.BLOCK_WORDS + 9])          # storage not 8-byte aligned
     for dt in (torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn, torch.bool):
