@@ -15,8 +15,8 @@ replication fix's strategy) with the validated manager, then loads it repeatedly
               of every copy, fingerprints, decision), ``all_gather`` the one agreement collective
               including the wait for the slowest rank (upstream waits in its own collectives)
 
-Both variants call ``load()`` twice, as ``load_checkpoint`` does (arguments, then the state): upstream
-reads the files twice, the validated manager serves the second call from memory.
+Both variants call ``load()`` twice, as ``load_checkpoint`` does (arguments, then the state):
+upstream reads the files twice, the validated manager serves the second call from memory.
 
 Configurations: ``quickstart`` is the quick start's model as ``pretrain_gpt.py`` stores it (per
 rank ~0.87 MB in 58 tensors); ``large`` 256 MiB per rank in 256 tensors. Times are the slowest
@@ -122,7 +122,8 @@ def _worker(rank, world, port, args, root, out_q):
                 t0 = time.perf_counter()
                 assert m.find_latest() == 1
                 sd, _ = m.load()
-                m.load()  # load_checkpoint reads twice (arguments, then state); validated: from memory
+                # load_checkpoint reads twice (arguments, then state); validated: from memory
+                m.load()
                 dt = time.perf_counter() - t0
                 slow = [0.0] * world
                 tm = getattr(m, "timings", {})
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"| config | variant | median [ms] | min [ms] |  (world {args.world}, {args.reps} interleaved reps)"
+        f"| config | variant | median [ms] | min [ms] |  (world {args.world}, "
+        f"{args.reps} interleaved reps)"
     )
     print("|---|---|---|---|")
     for name, times in results.items():

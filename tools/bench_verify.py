@@ -100,13 +100,13 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
     gen = torch.Generator().manual_seed(seed)
     # owner -> {name: ShardedTensor}
     owned = {r: {} for r in range(world)}
-    for l in range(layers):
-        r = l % world
+    for layer in range(layers):
+        r = layer % world
         for name, shape in shapes:
             data = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
             key = f"decoder.layers.{name}"
-            owned[r][f"{key}.{l}"] = ShardedTensor.from_rank_offsets(
-                key, data, (0, l, layers), prepend_axis_num=1
+            owned[r][f"{key}.{layer}"] = ShardedTensor.from_rank_offsets(
+                key, data, (0, layer, layers), prepend_axis_num=1
             )
     args = Namespace(
         world_size=world, replication=factor > 1, replication_factor=factor, replication_jump=1
@@ -137,7 +137,8 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
         ckpt.mkdir(parents=True)
         flat = {f"{r}.{k}": v for r in range(world) for k, v in owned[r].items()}
         flat["iteration"] = ITERATION
-        # megatron-core's torch_dist writer uses torch.cuda; without a GPU run it on this fork's CPU backend
+        # megatron-core's torch_dist writer uses torch.cuda; without a GPU run it on this fork's
+        # CPU backend
         cpu = None
         if not torch.cuda.is_available():
             from megatron.cpu import runtime as cpu
@@ -193,7 +194,8 @@ def time_cat(files, streams: int) -> float:
 
 
 def _verify_worker(rank: int, world: int, port: int, root: str, conn) -> None:
-    """A verifier process of the 2-process group: initialises gloo once, then verifies on request."""
+    """A verifier process of the 2-process group: initialises gloo once, then verifies on
+    request."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
@@ -276,8 +278,10 @@ def main(argv=None) -> int:
         info = generate(root, a.size_gb, a.world, a.hidden)
         total = info["bytes"]
         print(
-            f"generated {len(info['files'])} files, {total / 1e9:.2f} GB ({info['local_bytes'] / 1e9:.2f} GB local, "
-            f"{(total - info['local_bytes']) / 1e9:.2f} GB persistent, {info['layers']} layers, world {a.world}) "
+            f"generated {len(info['files'])} files, {total / 1e9:.2f} GB "
+            f"({info['local_bytes'] / 1e9:.2f} GB local, "
+            f"{(total - info['local_bytes']) / 1e9:.2f} GB persistent, {info['layers']} layers, "
+            f"world {a.world}) "
             f"in {time.perf_counter() - t:.0f} s",
             flush=True,
         )
@@ -336,7 +340,8 @@ def main(argv=None) -> int:
                 )
         print()
         print(
-            f"Verifier throughput: {total / 1e9:.2f} GB (local + persistent files), {os.cpu_count()} CPUs, "
+            f"Verifier throughput: {total / 1e9:.2f} GB (local + persistent files), "
+            f"{os.cpu_count()} CPUs, "
             f"median of {a.reps} interleaved runs; GB/s = bytes / median time"
             + (
                 ""

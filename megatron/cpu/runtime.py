@@ -291,11 +291,12 @@ def is_host_tensor(t: torch.Tensor) -> bool:
 
     Rule (what a GPU run does): a tensor made by a factory without a ``device`` (torch's default
     device is the CPU) or with a CPU device that did not come from a stand-in GPU tensor's
-    ``.device``, a copy made by ``.cpu()``/``.to("cpu")``, and results of ops whose tensor arguments
-    are all such tensors (views, ``clone``, arithmetic; one GPU tensor among them makes a GPU result,
-    as mixing is legal on a GPU only with 0-dim host tensors). ``.cuda()``/``.to("cuda")`` makes it a GPU
-    tensor again. Every other tensor (parameters after ``model.cuda()``, activations, gradients,
-    anything made with a CUDA device) stands in for a GPU tensor.
+    ``.device``, a copy made by ``.cpu()``/``.to("cpu")``, and results of ops whose tensor
+    arguments are all such tensors (views, ``clone``, arithmetic; one GPU tensor among them makes a
+    GPU result, as mixing is legal on a GPU only with 0-dim host tensors). ``.cuda()``/
+    ``.to("cuda")`` makes it a GPU tensor again. Every other tensor (parameters after
+    ``model.cuda()``, activations, gradients, anything made with a CUDA device) stands in for a GPU
+    tensor.
     """
     return _in_host(t)
 
@@ -551,8 +552,9 @@ def activate() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError(
-            "megatron.cpu: a CUDA device is available; the CPU backend would shadow it. Run without "
-            "--cpu to train on the GPU, or set CUDA_VISIBLE_DEVICES= to force the CPU backend."
+            "megatron.cpu: a CUDA device is available; the CPU backend would shadow it. "
+            "Run without --cpu to train on the GPU, or set CUDA_VISIBLE_DEVICES= to force the CPU "
+            "backend."
         )
     import megatron.core  # noqa: F401  (upstream imports see the real torch.cuda first)
 

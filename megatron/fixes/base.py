@@ -3,7 +3,8 @@
 A fix is an object that knows
   * which upstream distribution and versions it targets (``package``, ``supported``),
   * the upstream reports it answers (``upstream_refs``),
-  * every upstream attribute it replaces and why (``patches``, shown by ``python -m megatron.fixes``),
+  * every upstream attribute it replaces and why (``patches``, shown by
+    ``python -m megatron.fixes``),
   * how to tell that the installed upstream already behaves (``upstream_behaves``), in which case it
     stands aside instead of patching.
 

@@ -165,8 +165,13 @@ def _wrap_load_base_checkpoint(original: Callable) -> Callable:
 def upstream_saves_modelopt_state() -> bool:
     """True if upstream's own guard import succeeds (``has_nvidia_modelopt`` would be True)."""
     try:
-        importlib.import_module("megatron.post_training.utils").print_distributed_quant_summary
-        importlib.import_module("modelopt.torch.opt.plugins").save_sharded_modelopt_state
+        # attribute probes: each raises if the attribute is missing
+        importlib.import_module(  # noqa: B018 - probe raises if missing
+            "megatron.post_training.utils"
+        ).print_distributed_quant_summary
+        importlib.import_module(  # noqa: B018 - probe raises if missing
+            "modelopt.torch.opt.plugins"
+        ).save_sharded_modelopt_state
     except Exception:  # noqa: BLE001 - upstream's guard catches every exception too
         return False
     return True

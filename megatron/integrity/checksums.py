@@ -131,7 +131,8 @@ def tensor_byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum_bytes(data: Any) -> int:
-    """XXH3_64 (seed 0) of a bytes-like object (``bytes``, ``memoryview``, C-contiguous numpy array).
+    """XXH3_64 (seed 0) of a bytes-like object (``bytes``, ``memoryview``, C-contiguous numpy
+    array).
 
     Returns:
         int in ``[0, 2**64)``.

@@ -98,16 +98,17 @@ def resolve_persistent_dir(
         it = int(m.group(1)) if m else None
         if iteration is not None and it is not None and it != iteration:
             raise CheckpointInputError(
-                f"persistent checkpoint {p} is iteration {it}, but iteration {iteration} was requested; "
-                f"pass {p.parent / f'iter_{iteration:07d}'} (if it exists) or the matching iteration"
+                f"persistent checkpoint {p} is iteration {it}, but iteration {iteration} was "
+                f"requested; pass {p.parent / f'iter_{iteration:07d}'} (if it exists) or the "
+                f"matching iteration"
             )
         _check_backend(p)
         return p, it if it is not None else iteration
     dirs = _iteration_dirs(p)
     if not dirs:
         raise CheckpointInputError(
-            f"{p} is neither a torch_dist iteration directory (no .metadata file) nor a checkpoint root "
-            f"(no iter_<N> subdirectories)"
+            f"{p} is neither a torch_dist iteration directory (no .metadata file) nor a checkpoint "
+            f"root (no iter_<N> subdirectories)"
         )
     if iteration is None:
         tracker = p / "latest_checkpointed_iteration.txt"
@@ -116,13 +117,14 @@ def resolve_persistent_dir(
     if iteration not in dirs:
         raise CheckpointInputError(
             f"persistent checkpoint root {p} has no iteration {iteration}; it has iteration(s) "
-            f"{sorted(dirs)}. Save a persistent checkpoint at iteration {iteration} or verify a local "
-            f"checkpoint of one of those iterations (--iteration)"
+            f"{sorted(dirs)}. Save a persistent checkpoint at iteration {iteration} or verify a "
+            f"local checkpoint of one of those iterations (--iteration)"
         )
     d = dirs[iteration]
     if not (d / ".metadata").is_file():
         raise CheckpointInputError(
-            f"{d} has no .metadata file: the save of iteration {iteration} is incomplete or not torch_dist"
+            f"{d} has no .metadata file: the save of iteration {iteration} is incomplete or not "
+            f"torch_dist"
         )
     _check_backend(d)
     return d, iteration
@@ -138,8 +140,8 @@ def _check_backend(d: Path) -> None:
         raise CheckpointInputError(f"cannot read {meta}: {e}") from e
     if backend != "torch_dist":
         raise CheckpointInputError(
-            f"{d} is a '{backend}' checkpoint; only torch_dist checkpoints (--ckpt-format torch_dist) "
-            "can be verified"
+            f"{d} is a '{backend}' checkpoint; only torch_dist checkpoints "
+            "(--ckpt-format torch_dist) can be verified"
         )
 
 
@@ -317,8 +319,8 @@ class PersistentCheckpoint:
         ]
 
     def check_metadata(self) -> List[Problem]:
-        """Coverage of every tensor's global shape by its chunks, and storage entries (present, inside
-        an existing file). Reads no tensor data.
+        """Coverage of every tensor's global shape by its chunks, and storage entries (present,
+        inside an existing file). Reads no tensor data.
 
         Returns:
             ``coverage`` and ``storage`` problems (empty when the metadata is consistent).
@@ -423,7 +425,8 @@ class PersistentCheckpoint:
         the chunk through DCP's reader, which copies.
 
         Returns:
-            A read-only-in-practice CPU tensor of ``chunk.sizes`` and the checkpoint dtype, or ``None``.
+            A read-only-in-practice CPU tensor of ``chunk.sizes`` and the checkpoint dtype, or
+            ``None``.
         """
         index = MetadataIndex(key, chunk.offsets)
         info = self.storage.get(index)
@@ -507,8 +510,9 @@ class PersistentCheckpoint:
             Per request, a contiguous CPU tensor of shape ``sizes`` and the checkpoint's dtype
             holding the region's values, or a message saying why it could not be read (key absent,
             region not fully covered by saved chunks, storage unreadable). A region that is exactly
-            one saved chunk (the usual case: same parallelism) is a zero-copy view of the mapped file
-            (:meth:`chunk_view`); other regions are assembled by DCP's reader into new tensors.
+            one saved chunk (the usual case: same parallelism) is a zero-copy view of the mapped
+            file (:meth:`chunk_view`); other regions are assembled by DCP's reader into new
+            tensors.
         """
         results: List[Union[torch.Tensor, str]] = [""] * len(requests)
         items: List[ReadItem] = []
@@ -519,8 +523,8 @@ class PersistentCheckpoint:
                 continue
             if len(offsets) != len(md.size):
                 results[i] = (
-                    f"'{key}' has {len(md.size)} axes {list(md.size)} in the persistent checkpoint, "
-                    f"the local shard {len(offsets)}"
+                    f"'{key}' has {len(md.size)} axes {list(md.size)} in the persistent "
+                    f"checkpoint, the local shard {len(offsets)}"
                 )
                 continue
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
@@ -536,7 +540,8 @@ class PersistentCheckpoint:
             if covered < _volume(sizes):
                 results[i] = (
                     f"the persistent chunks of '{key}' {list(md.size)} cover only {covered} of the "
-                    f"{_volume(sizes)} elements of region offsets={list(offsets)} sizes={list(sizes)}"
+                    f"{_volume(sizes)} elements of region offsets={list(offsets)} "
+                    f"sizes={list(sizes)}"
                 )
                 continue
             results[i] = torch.empty(tuple(sizes), dtype=md.properties.dtype)
@@ -616,8 +621,8 @@ class PersistentCheckpoint:
             on_tensor: called with ``(key, chunk, tensor)`` for each chunk (tensor: the whole chunk,
                 CPU, the checkpoint's dtype; a zero-copy view of the mapped file where possible).
             on_object: called with ``(key, object)`` for each byte object, unpickled.
-            readahead: if given, every entry's byte range is queued on it first and waited for before
-                the entry is used, so that reading and checking overlap.
+            readahead: if given, every entry's byte range is queued on it first and waited for
+                before the entry is used, so that reading and checking overlap.
 
         Returns:
             ``(key, chunk offsets or None, exception)`` for entries that could not be read. Entries
@@ -641,7 +646,7 @@ class PersistentCheckpoint:
             for off, length, _ in entries
         ]
         items = []
-        for (off, length, index), ticket in zip(entries, tickets):
+        for (_off, _length, index), ticket in zip(entries, tickets):
             if readahead is not None:
                 readahead.wait(ticket)
             if index.fqn in self.tensors:

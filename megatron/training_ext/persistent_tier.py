@@ -187,7 +187,8 @@ def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
         )
     else:
         _say(
-            f"{d.name}: sizes of {summary.files} files checked (--no-verify-integrity: bytes not verified)"
+            f"{d.name}: sizes of {summary.files} files checked (--no-verify-integrity: bytes not "
+            f"verified)"
         )
 
 
@@ -304,7 +305,8 @@ def _wrap_load_checkpoint(orig, get_args):
                     _say(
                         f"{failed.name} failed verification:\n"
                         + "\n".join(f"  {p}" for p in e.problems)
-                        + f"\n{LOG_PREFIX} falling back to the previous complete checkpoint, iter_{nxt:07d}"
+                        + f"\n{LOG_PREFIX} falling back to the previous complete checkpoint, "
+                        f"iter_{nxt:07d}"
                     )
                     margs.ckpt_step = nxt
         finally:

@@ -404,9 +404,9 @@ def start_node(
     ``launcher`` defaults to ``python -m torch.distributed.run`` (torchrun). The c10d rendezvous
     orders nodes by address, so ``--local-addr 127.0.0.<R+1>`` (loopback, all of 127/8) makes
     node R hold global ranks ``R*P .. R*P+P-1``; node 0 hosts the rendezvous store.
-    ``OMP_NUM_THREADS`` defaults to 1, as torchrun sets it for several workers per node. The agent runs
-    in a session of its own (``start_new_session``) and every process of the node carries a tag
-    (:data:`TAG_ENV`), so :meth:`Node.kill_tree` takes down exactly one node.
+    ``OMP_NUM_THREADS`` defaults to 1, as torchrun sets it for several workers per node. The agent
+    runs in a session of its own (``start_new_session``) and every process of the node carries a
+    tag (:data:`TAG_ENV`), so :meth:`Node.kill_tree` takes down exactly one node.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = list(launcher or [sys.executable, "-m", "torch.distributed.run"])

@@ -5,7 +5,8 @@ Needs Transformer Engine, 2 CUDA devices and ``MEGATRON_CLUSTER_TESTS=1``; skipp
 CPU version of every check below is ``test_fsdp_mla_mtp.py``, with a plain column-parallel fused
 projection because the absorbed layernorm needs TE). Run on a node::
 
-    MEGATRON_CLUSTER_TESTS=1 pytest -m cluster tests/functional_tests/test_fsdp_mla_mtp_te_cluster.py
+    export MEGATRON_CLUSTER_TESTS=1
+    pytest -m cluster tests/functional_tests/test_fsdp_mla_mtp_te_cluster.py
 
 What TE adds: with ``--mla-down-proj-fusion`` the fused ``linear_qkv_down_proj`` is TE's
 layernorm-linear, whose ``layer_norm_weight`` is the layer's input layernorm ("absorbed"); the fix

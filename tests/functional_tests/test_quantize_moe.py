@@ -1,5 +1,5 @@
-"""The ModelOpt user flow on the real entrypoints, for a tiny MoE GPT (2 layers, hidden 64, 4 experts,
-top-2, no bias, dropout off), CPU/gloo, 2 processes:
+"""The ModelOpt user flow on the real entrypoints, for a tiny MoE GPT (2 layers, hidden 64,
+4 experts, top-2, no bias, dropout off), CPU/gloo, 2 processes:
 
 1. ``pretrain_gpt.py`` trains 6 iterations at EP=2 and saves ``torch_dist`` checkpoints (5 and 6);
 2. ``tools/quantize.py`` quantizes checkpoint 5 (FP8, fake quantization) with max calibration on
@@ -7,10 +7,10 @@ top-2, no bias, dropout off), CPU/gloo, 2 processes:
 3. ``pretrain_gpt.py --load <quantized> --restore-modelopt-state`` trains iterations 6-10 at the
    saved topology (EP=2, ETP=1; it also writes a local checkpoint at 8, replicated) and at another
    one (EP=1, ETP=2): the losses agree within :data:`RTOL`;
-4. the run is resumed from the local checkpoint at 8 after losing rank 1's local directory (recovery
-   from its replica), with no persistent checkpoint and no ``--restore-modelopt-state``: it resumes
-   quantized, bitwise equal to the uninterrupted run, and the ``torch_dist`` checkpoint it then saves
-   holds the ModelOpt state and exactly the calibrated amax values.
+4. the run is resumed from the local checkpoint at 8 after losing rank 1's local directory
+   (recovery from its replica), with no persistent checkpoint and no ``--restore-modelopt-state``:
+   it resumes quantized, bitwise equal to the uninterrupted run, and the ``torch_dist`` checkpoint
+   it then saves holds the ModelOpt state and exactly the calibrated amax values.
 
 Bad input to ``tools/quantize.py`` is rejected with a message on every rank before any collective.
 """
@@ -148,7 +148,8 @@ def read_amax(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def quant_summaries(output: str, when: str) -> list[dict]:
-    """The quantizer counts rank 0 logged (``megatron.training_ext.modelopt.print_quant_summary``)."""
+    """The quantizer counts rank 0 logged
+    (``megatron.training_ext.modelopt.print_quant_summary``)."""
     pat = re.compile(r"ModelOpt \(" + re.escape(when) + r"[^)]*\): rank 0 holds (\{.*\})")
     return [ast.literal_eval(m.group(1)) for m in pat.finditer(output)]
 

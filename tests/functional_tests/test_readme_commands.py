@@ -161,7 +161,8 @@ def test_runnable_block(tmp_path, name, text):
     )
     created = sorted(set(os.listdir(clone)) - before)
     assert sorted(_ignored(clone, created)) == created, (
-        f"{name} left files that .gitignore does not cover: {sorted(set(created) - set(_ignored(clone, created)))}"
+        f"{name} left files that .gitignore does not cover: "
+        f"{sorted(set(created) - set(_ignored(clone, created)))}"
     )
     check = CHECKS.get(name.split(":")[1])
     if check:

@@ -72,7 +72,8 @@ def test_wraps_upstream_keeps_the_wrapper_name():
 #: Walks every loaded upstream module (and the classes defined in it) before and after the
 #: entrypoint's setup: a changed callable, or one of ours found in an upstream namespace, must be
 #: in the registry.
-_SETUP_SCRIPT = textwrap.dedent(r"""
+_SETUP_SCRIPT = textwrap.dedent(
+    r"""
     import importlib, inspect, json, os, sys, types
     OURS = ("megatron.fixes", "megatron.cpu", "megatron.integrity", "megatron.training_ext")
     for name in ("megatron.core", "megatron.training", "megatron.training.training",
@@ -85,7 +86,8 @@ _SETUP_SCRIPT = textwrap.dedent(r"""
 
     def upstream_modules():
         return [m for n, m in list(sys.modules.items())
-                if isinstance(m, types.ModuleType) and not n.startswith(OURS + ("tests", "__main__", "__mp_main__"))]
+                if isinstance(m, types.ModuleType) and not n.startswith("""  # split: line length
+    r"""OURS + ("tests", "__main__", "__mp_main__"))]
 
     def namespaces():
         for m in upstream_modules():
@@ -127,7 +129,8 @@ _SETUP_SCRIPT = textwrap.dedent(r"""
                 unrecorded.add(f"{mod + '.' if inspect.isclass(ns) else ''}{owner}.{k}")
     print("RESULT", json.dumps({"unrecorded": sorted(unrecorded),
                                 "records": len(REGISTRY.records())}))
-""")
+"""
+)
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def local_units(visible: List[List[Tuple[str, int, int]]], world: int) -> Dict[i
         groups.setdefault(owner, []).append(rel)
     units = []
     if len(groups) >= world:
-        for owner, rels in groups.items():
+        for _owner, rels in groups.items():
             common = set.intersection(*(seen[x][2] for x in rels))
             if common:
                 units.append(("\n".join(sorted(rels)), sum(seen[x][1] for x in rels), common))

@@ -41,7 +41,8 @@ def _setup(fixed: bool):
 
 
 def _state(rank: int, world: int, key: str, per_rank: int, value: float) -> dict:
-    """One ShardedTensor ``key`` of ``world * per_rank`` float32 values, ``per_rank`` on each rank."""
+    """One ShardedTensor ``key`` of ``world * per_rank`` float32 values, ``per_rank`` on each
+    rank."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     local = torch.arange(per_rank, dtype=torch.float32) + value + 100 * rank

@@ -1,7 +1,7 @@
 """``megatron.fixes.apply()`` leaves no process-group state behind.
 
-The ModelOpt capability probe needs ``torch.distributed`` and starts a private 1-rank gloo group when
-there is none. If that group (or the ``[rank0]:`` traceback prefix its ``init_process_group``
+The ModelOpt capability probe needs ``torch.distributed`` and starts a private 1-rank gloo group
+when there is none. If that group (or the ``[rank0]:`` traceback prefix its ``init_process_group``
 installs as ``sys.excepthook``) outlived ``apply()``, every later traceback of the job would read
 ``[rank1]: [rank0]: ...``.
 """
@@ -66,13 +66,17 @@ def test_apply_leaves_no_group_and_no_rank_prefix(tmp_path):
     assert proc.returncode != 0, out  # rank 1 raised
     lines = out.splitlines()
     assert (
-        sum("check: not initialised: before=False after=False hook kept=True" in l for l in lines)
+        sum(
+            "check: not initialised: before=False after=False hook kept=True" in line
+            for line in lines
+        )
         == 2
     ), out
     assert (
-        sum("check: initialised:" in l and "after=True hook kept=True" in l for l in lines) == 2
+        sum("check: initialised:" in line and "after=True hook kept=True" in line for line in lines)
+        == 2
     ), out
-    errors = [l for l in lines if "RuntimeError: boom on rank 1" in l]
+    errors = [line for line in lines if "RuntimeError: boom on rank 1" in line]
     assert errors, out
-    assert all(l.startswith("[rank1]: RuntimeError") for l in errors), errors
-    assert not [l for l in lines if "[rank0]" in l and "[rank1]" in l], out
+    assert all(line.startswith("[rank1]: RuntimeError") for line in errors), errors
+    assert not [line for line in lines if "[rank0]" in line and "[rank1]" in line], out

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
+
+# tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
+import replication_doubles as D
 import torch
 
 pytestmark = [

@@ -112,7 +112,8 @@ def _kinds(items) -> list:
 
 
 def _flip_byte(f: Path, index: int, at: int = 13) -> str:
-    """Flip bits of byte ``at`` of tensor ``index``'s data in file ``f``; returns the tensor's key."""
+    """Flip bits of byte ``at`` of tensor ``index``'s data in file ``f``; returns the tensor's
+    key."""
     sh = list(torch.load(f, weights_only=False)._sharded_tensors)[index]
     want = sh.data.contiguous().view(torch.uint8).numpy().tobytes()
     raw = f.read_bytes()
@@ -192,8 +193,9 @@ def test_foreign_primary_differs_from_its_replica(foreign_primary, tmp_path, cap
     assert _kinds(rep.problems) == ["copies_differ"], rep.format_text()
     (p,) = rep.problems
     assert p.message.startswith(
-        f"rank 1's shard of iteration 12: primary 1/{_name(12, 1)} and replica 0/{_name(12, 1)} differ in "
-        f"47 of 48 tensors; identity records differ in run_id, save_token, run_settings.seed"
+        f"rank 1's shard of iteration 12: primary 1/{_name(12, 1)} and replica 0/{_name(12, 1)} "
+        f"differ in 47 of 48 tensors; identity records differ in run_id, save_token, "
+        f"run_settings.seed"
     )
     assert "suspect: primary 1/iter_0000012_1_local.pt" in p.message
     assert (p.owner_rank, p.iteration, p.details["files"], p.details["holders"]) == (
@@ -267,8 +269,8 @@ def test_identity_naming_another_iteration_makes_the_copies_unusable(tmp_path):
         ("identity", f"1/{_name(12, 0)}"),
     ], rep.format_text()
     assert (
-        "its identity record is of rank 0's shard of iteration 11, its name says rank 0, iteration 12"
-        in rep.problems[0].message
+        "its identity record is of rank 0's shard of iteration 11, its name says rank 0, "
+        "iteration 12" in rep.problems[0].message
     )
     (it,) = rep.local_iterations
     assert it["complete"] is False and it["shards"][0]["usable"] == []
@@ -356,7 +358,7 @@ def test_three_copies_the_odd_one_is_the_suspect(tmp_path):
     assert rep.local_iterations[0]["owners"] == 3 and rep.local_iterations[0]["files"] == 9
 
 
-# --- (d) newest iteration incomplete ---------------------------------------------------------------
+# --- (d) newest iteration incomplete --------------------------------------------------------------
 
 
 def test_newest_incomplete_iteration_falls_back_to_older_complete(tmp_path, capsys):
@@ -404,7 +406,7 @@ def test_only_iteration_incomplete_is_a_problem(tmp_path):
     assert rep.newest_complete_iteration is None
 
 
-# --- (e) leftovers -----------------------------------------------------------------------------------
+# --- (e) leftovers --------------------------------------------------------------------------------
 
 
 def test_leftovers_are_named_as_warnings(tmp_path, capsys):
