@@ -84,10 +84,11 @@ _SETUP_SCRIPT = textwrap.dedent(
                  "torch.cuda", "torch.cuda.random", "torch.cuda.nvtx"):
         importlib.import_module(name)
 
+    SKIP = OURS + ("tests", "__main__", "__mp_main__")
+
     def upstream_modules():
         return [m for n, m in list(sys.modules.items())
-                if isinstance(m, types.ModuleType) and not n.startswith("""  # split: line length
-    r"""OURS + ("tests", "__main__", "__mp_main__"))]
+                if isinstance(m, types.ModuleType) and not n.startswith(SKIP)]
 
     def namespaces():
         for m in upstream_modules():
