@@ -1,5 +1,5 @@
-"""Hardware lanes: ``gpu`` tests need one CUDA device and are skipped without; ``cluster`` tests need
-Transformer Engine and/or several GPUs and run only with ``MEGATRON_CLUSTER_TESTS=1``."""
+"""Hardware lanes: ``gpu`` tests need one CUDA device and are skipped without; ``cluster`` tests
+need Transformer Engine and/or several GPUs and run only with ``MEGATRON_CLUSTER_TESTS=1``."""
 
 import os
 
@@ -17,6 +17,7 @@ def pytest_collection_modifyitems(config, items):
         if "cluster" in item.keywords and not cluster:
             item.add_marker(
                 pytest.mark.skip(
-                    reason="cluster-only (Transformer Engine / >= 2 GPUs): set MEGATRON_CLUSTER_TESTS=1 there"
+                    reason="cluster-only (Transformer Engine / >= 2 GPUs): "
+                    "set MEGATRON_CLUSTER_TESTS=1 there"
                 )
             )

@@ -1,8 +1,9 @@
-"""Verify Megatron checkpoints: local (non-persistent) checkpoint files against a persistent
+r"""Verify Megatron checkpoints: local (non-persistent) checkpoint files against a persistent
 ``torch_dist`` checkpoint of the same iteration, or either one alone.
 
     # local (all ranks' directories, primaries and replicas) against persistent, bitwise
-    python tools/verify_checkpoint.py --local-dir /ssd/local_ckpt --persistent-dir /lustre/ckpt/iter_0000010
+    python tools/verify_checkpoint.py --local-dir /ssd/local_ckpt \
+        --persistent-dir /lustre/ckpt/iter_0000010
 
     # persistent alone: chunk coverage, storage ranges (truncation), every chunk/object read,
     # NaN/Inf, integrity.json (per-block xxh3, written by every save; or upstream's SHA-256)
@@ -13,24 +14,27 @@
     python tools/verify_checkpoint.py --local-dir /ssd/local_ckpt [--iteration 12]
 
     # in parallel, one process per file (gloo, CPU only)
-    torchrun --nproc-per-node 8 tools/verify_checkpoint.py --local-dir ... --persistent-dir ... --json report.json
+    torchrun --nproc-per-node 8 tools/verify_checkpoint.py --local-dir ... --persistent-dir ... \
+        --json report.json
 
-``--persistent-dir`` accepts the iteration directory or the ``--save`` root (the iteration is then the
-local checkpoint's, or ``--iteration``, or the latest). Under torchrun (``WORLD_SIZE`` > 1) the
+``--persistent-dir`` accepts the iteration directory or the ``--save`` root (the iteration is then
+the local checkpoint's, or ``--iteration``, or the latest). Under torchrun (``WORLD_SIZE`` > 1) the
 process group is initialised with gloo and the files are divided among the processes; rank 0
 prints the report and writes ``--json``. Each process checks with one torch thread (``--threads``):
 run as many processes as there are cores to use.
 
 With local files, every tensor of every file (primaries and replicas) is compared bitwise with the
 same region of the persistent checkpoint, its stored xxh3 checksum (replication fix) is checked and
-it is scanned for NaN/Inf; ``--verify-manifest`` adds the integrity.json pass over the persistent files.
+it is scanned for NaN/Inf; ``--verify-manifest`` adds the integrity.json pass over the persistent
+files.
 
 ``--local-dir`` alone checks every local iteration found (only ``--iteration`` when given): each
 file's stored checksums and NaN/Inf, then every primary against each of its replicas, tensor by
 tensor (key, offset, dtype, shape, checksum) and by identity record (run id, save token, iteration,
 owner, run settings...). A disagreement is a problem naming the shard, both files and what differs,
 e.g. ``rank 1's shard of iteration 12: primary 1/iter_0000012_1_local.pt and replica
-0/iter_0000012_1_local.pt differ in 47 of 48 tensors; identity records differ in run_id, save_token``.
+0/iter_0000012_1_local.pt differ in 47 of 48 tensors; identity records differ in run_id,
+save_token``.
 The report gives the newest iteration that is complete and consistent (every rank's shard has a
 copy that verifies, all copies agree, all shards from one save), e.g. ``newest complete and
 consistent local iteration: 12 (iteration 14: rank 1's shard missing (interrupted save))``; a newer

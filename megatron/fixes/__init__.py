@@ -55,7 +55,8 @@ def disabled() -> set[str]:
 def apply() -> dict[str, FixStatus]:
     """Install every fix onto upstream; idempotent (a second call changes nothing).
 
-    Fixes named in ``$MEGATRON_FIXES_DISABLE`` are left out (status ``NOT_APPLIED``, with a warning).
+    Fixes named in ``$MEGATRON_FIXES_DISABLE`` are left out (status ``NOT_APPLIED``, with a
+    warning).
 
     Leaves no process-group state behind: ``torch.distributed.is_initialized()`` is what it was
     before the call, and ``sys.excepthook`` too (``init_process_group`` installs a hook that

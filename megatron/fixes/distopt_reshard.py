@@ -43,14 +43,14 @@ def reshard_advice(upstream_message: str) -> str | None:
     mismatch, rest = upstream_message.split(_REFUSAL, 1)
     fmt = rest.split(".", 1)[0].strip() or "dp_reshardable"
     return (
-        f"{mismatch}: this checkpoint holds the distributed optimizer's state in the {fmt!r} format "
-        "(the default without --dist-ckpt-optim-fully-reshardable), whose layout follows the saving "
-        "run's TP/PP buffers: it can change DP only. To change TP/PP, resume once at the TP/PP it was "
-        "saved with, adding --dist-ckpt-optim-fully-reshardable: every checkpoint saved from then on "
-        "(also one right after the load: --train-iters <its iteration> and a --save-interval that "
-        "does not divide it) loads at any TP/PP/DP. Or pass --no-load-optim to load the model weights "
-        "resharded and start a fresh optimizer. (Upstream's advice, --ckpt-fully-parallel-save, is "
-        "deprecated and changes nothing.)"
+        f"{mismatch}: this checkpoint holds the distributed optimizer's state in the {fmt!r} "
+        "format (the default without --dist-ckpt-optim-fully-reshardable), whose layout follows "
+        "the saving run's TP/PP buffers: it can change DP only. To change TP/PP, resume once at "
+        "the TP/PP it was saved with, adding --dist-ckpt-optim-fully-reshardable: every "
+        "checkpoint saved from then on (also one right after the load: --train-iters <its "
+        "iteration> and a --save-interval that does not divide it) loads at any TP/PP/DP. Or "
+        "pass --no-load-optim to load the model weights resharded and start a fresh optimizer. "
+        "(Upstream's advice, --ckpt-fully-parallel-save, is deprecated and changes nothing.)"
     )
 
 

@@ -27,7 +27,8 @@ def run_non_persistent_iteration(
     """The newest non-persistent iteration of this run, as upstream's loader would find it.
 
     Args:
-        args: Megatron's global args (``non_persistent_ckpt_type``, ``non_persistent_global_ckpt_dir``).
+        args: Megatron's global args (``non_persistent_ckpt_type``,
+            ``non_persistent_global_ckpt_dir``).
         load_dir: ``--load`` (may be ``None``); global non-persistent checkpoints live in
             ``<load>/non_persistent`` unless ``--non-persistent-global-ckpt-dir`` is given.
         checkpointing_context: ``pretrain()``'s context; holds the local checkpoint manager for
@@ -100,9 +101,10 @@ class PretrainedRedirectFix(Fix):
                     *a, **kw
                 )  # the run has no checkpoint: start from the pretrained one
             ckpt.print_rank_0(
-                f"[resume] this run has a {args.non_persistent_ckpt_type} non-persistent checkpoint "
-                f"at iteration {iteration} and no persistent one in {load_dir}: resuming it; "
-                f"--pretrained-checkpoint {pretrained} is used only when the run has no checkpoint"
+                f"[resume] this run has a {args.non_persistent_ckpt_type} non-persistent "
+                f"checkpoint at iteration {iteration} and no persistent one in {load_dir}: "
+                f"resuming it; --pretrained-checkpoint {pretrained} is used only when the run has "
+                f"no checkpoint"
             )
             args.pretrained_checkpoint = None
             try:

@@ -194,7 +194,8 @@ class RngStateEpFix(Fix):
                     how = (
                         "its own states, all streams restored"
                         if keep_expert
-                        else f"own entry saved under EP={saved_topo.get('ep')} ETP={saved_topo.get('etp')} "
+                        else f"own entry saved under EP={saved_topo.get('ep')} "
+                        f"ETP={saved_topo.get('etp')} "
                         f"(ep_rank {saved_topo.get('ep_rank')}): dense streams restored, expert "
                         f"streams reseeded for EP={topo['ep']} ETP={topo['etp']} "
                         f"(ep_rank {topo['ep_rank']})"

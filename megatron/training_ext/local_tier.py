@@ -69,7 +69,8 @@ DEFAULT_NAN_WINDOW = 50
 """Default of ``--local-tier-nan-window`` (iterations after a local-tier resume)."""
 
 MARKER_NAME = local_layout.MARKER_NAME
-"""Marker file, one per rank, in the rank's local checkpoint directory (``<root>/<session>/<rank>``)."""
+"""Marker file, one per rank, in the rank's local checkpoint directory \
+(``<root>/<session>/<rank>``)."""
 
 QUARANTINE_DIR = local_layout.QUARANTINE_DIR
 """Sub-directory of a rank's local checkpoint directory that receives rejected local checkpoint
@@ -609,7 +610,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             removed = self._remove_dirty()
             if removed:
                 _say(
-                    f"removed {len(removed)} leftover(s) of an interrupted save: {', '.join(removed)}"
+                    f"removed {len(removed)} leftover(s) of an interrupted save: "
+                    f"{', '.join(removed)}"
                 )
         tensors = list(state_dict.tensors)
         setattr(
@@ -802,7 +804,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         persistent = reports[0].persistent
         notes = (
             [
-                f"removed {len(leftovers)} leftover(s) of an interrupted save ({', '.join(leftovers)})"
+                f"removed {len(leftovers)} leftover(s) of an interrupted save "
+                f"({', '.join(leftovers)})"
             ]
             if leftovers
             else []
@@ -882,7 +885,10 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                 return None
             for c in copies:
                 if c.problem is None and c.token != best:
-                    c.problem = f"from another save of iteration {it} (save token {c.token}, the others {best})"
+                    c.problem = (
+                        f"from another save of iteration {it} (save token {c.token}, "
+                        f"the others {best})"
+                    )
         # cross-check: each shard's copies must agree with its verified primary
         by_owner: dict[int, List[_Copy]] = {}
         for c in copies:
@@ -900,7 +906,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             for c in good:
                 if ref is not None and c.fingerprint is not None and c.fingerprint != ref:
                     c.problem = (
-                        f"its checksums differ from {'the primary' if prim is not None else 'the other copies'}"
+                        f"its checksums differ from "
+                        f"{'the primary' if prim is not None else 'the other copies'}"
                         f" of rank {owner}'s shard"
                     )
         distinct = {c.problem for c in copies}
@@ -940,7 +947,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                 f"iteration {it}: rank(s) {need} have no usable primary and there is no "
                 f"replication to repair from: "
                 + "; ".join(
-                    f"rank {o}: {next((c.problem for c in by_owner.get(o, []) if c.holder == o), 'missing')}"
+                    f"rank {o}: "
+                    f"{next((c.problem for c in by_owner.get(o, []) if c.holder == o), 'missing')}"
                     for o in need
                 )
             )
@@ -1052,11 +1060,13 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                 own = next((c.problem for c in by_owner.get(me, []) if c.holder == me), "missing")
                 line = (
                     f"local checkpoint at iteration {it}: repaired from rank {source}'s replica on "
-                    f"host {hosts.get(source, '?')} (verified: {summary}); own primary: {_short(own, 300)}"
+                    f"host {hosts.get(source, '?')} (verified: {summary}); own primary: "
+                    f"{_short(own, 300)}"
                 )
             else:
                 line = (
-                    f"local checkpoint at iteration {it}{' verified on all ranks' if me == 0 else ''}: "
+                    f"local checkpoint at iteration {it}"
+                    f"{' verified on all ranks' if me == 0 else ''}: "
                     f"own primary ({summary0}); repaired rank(s) {need} from replicas"
                 )
             return self._resolved(it, sd, my_id, line, all_copies, notes, t0)
@@ -1131,7 +1141,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         extra = list(notes)
         if moved:
             extra.append(
-                f"{moved} local checkpoint file(s) moved to {Path(self.local_ckpt_dir) / QUARANTINE_DIR}"
+                f"{moved} local checkpoint file(s) moved to "
+                f"{Path(self.local_ckpt_dir) / QUARANTINE_DIR}"
             )
         if reason is None:
             line = f"no local checkpoint in {self.local_ckpt_dir} -> loading {target}"
@@ -1225,7 +1236,8 @@ def _wrap_train_step(upstream):
         reason = f"non-finite training result: {_summarize(gathered)}"
         path = _write_marker(st.manager, iteration + 1, reason)
         _say(
-            f"non-finite result at iteration {iteration + 1}, {iteration + 1 - st.local_load_iteration} "
+            f"non-finite result at iteration {iteration + 1}, "
+            f"{iteration + 1 - st.local_load_iteration} "
             f"iteration(s) after resuming from the local checkpoint at iteration "
             f"{st.local_load_iteration}: marked the local tier bad ({path}) and exiting with code "
             f"{LOCAL_TIER_BAD_EXIT_CODE} without saving; the next start loads the persistent "

@@ -1,9 +1,10 @@
 """``--loss-log PATH``: exact per-iteration losses, for bitwise comparisons between runs.
 
 Wraps upstream's ``megatron.training.training.training_log`` (called once per iteration by
-``train()`` with the DP-reduced losses) and appends one JSON line per iteration::
+``train()`` with the DP-reduced losses) and appends one JSON line per iteration (wrapped here)::
 
-    {"iteration": 11, "lm loss": "0x1.7d5e2ep+2", "lm loss (decimal)": 5.958, "grad norm": "0x1.3p+0", ...}
+    {"iteration": 11, "lm loss": "0x1.7d5e2ep+2", "lm loss (decimal)": 5.958,
+     "grad norm": "0x1.3p+0", ...}
 
 Floats are written with ``float.hex`` so that two runs can be compared bit for bit.
 """

@@ -138,7 +138,7 @@ def test_fully_reshardable_resume_on_fewer_ranks_follows_the_run(straight, tmp_p
     assert max(rel.values()) <= rtol, rel
 
 
-# --- section: change TP/DP on resume (TP 2, DP 1 -> TP 1, DP 2) ------------------------------------
+# --- section: change TP/DP on resume (TP 2, DP 1 -> TP 1, DP 2) -----------------------------------
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 #: 10 iterations; the vocabulary (257) padded to 512 rows at TP 1 and TP 2 alike (upstream pads to

@@ -3,9 +3,9 @@ ranks, ``--cpu``; the runs with faults launch the test entrypoint
 ``tests/functional_tests/pretrain_gpt_faults.py``, ``pretrain_gpt.py`` plus the hooks of
 :mod:`tests.functional_tests.fault_injection`), and a two-node run on one machine that loses a node.
 
-Every run trains ``--train-iters 16 --exit-interval 14`` with persistent ``torch_dist`` checkpoints every 5 iterations
-and local checkpoints every 2, replicated to the other rank (jump 1, factor 2); one uninterrupted
-run of the same command is the reference for every bitwise comparison.
+Every run trains ``--train-iters 16 --exit-interval 14`` with persistent ``torch_dist`` checkpoints
+every 5 iterations and local checkpoints every 2, replicated to the other rank (jump 1, factor 2);
+one uninterrupted run of the same command is the reference for every bitwise comparison.
 
 (a) ``test_restart_after_kill_in_local_save_is_bitwise``: rank 1 receives ``SIGKILL`` during its
     local save of iteration 12 (``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``, one case per moment of the
@@ -109,7 +109,8 @@ def _name(iteration: int, rank: int, dirty: bool = False) -> str:
 
 
 def _complete(holders: dict[int, list[str]], iteration: int, world: int = 2) -> bool:
-    """NVRx's ``find_latest`` rule: every rank's shard of ``iteration`` is a final file somewhere."""
+    """NVRx's ``find_latest`` rule: every rank's shard of ``iteration`` is a final file
+    somewhere."""
     return all(
         any(_name(iteration, r) in names for names in holders.values()) for r in range(world)
     )
@@ -346,7 +347,8 @@ def test_two_nodes_lost_node_recovers_from_replica_bitwise(tmp_path, straight, l
     }
     assert all(len(lines.get(r, [])) == 1 for r in (0, 1)), lines
     assert (
-        f"[local-tier] rank 1: local checkpoint at iteration {KILL_AT}: repaired from rank 0's replica on host"
+        f"[local-tier] rank 1: local checkpoint at iteration {KILL_AT}: repaired from rank 0's "
+        "replica on host"
         in lines[1][0]
         and "own primary: missing" in lines[1][0]
     ), lines

@@ -159,7 +159,10 @@ def test_truncated_file_stops_every_rank_before_training(saved, tmp_path):
         check=False,
     )
     assert run.returncode != 0 and run.losses == {}
-    head = f"megatron.integrity.manifest.CheckpointIntegrityError: checkpoint {ckpt / 'iter_0000010'} failed verification"
+    head = (
+        f"megatron.integrity.manifest.CheckpointIntegrityError: checkpoint "
+        f"{ckpt / 'iter_0000010'} failed verification"
+    )
     assert _error_ranks(run.output, head) == {0, 1}, run.output[-4000:]
     assert _error_ranks(
         run.output,

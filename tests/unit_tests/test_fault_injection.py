@@ -265,8 +265,8 @@ def test_kill_mid_write_leaves_a_prefix_of_the_file(killed, name, fraction):
     assert r["files"][D4] == full[:n]
     path = Path(tmp) / name / "local" / "0" / D4
     assert (
-        f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment write: {n} of "
-        f"{len(full)} bytes (fraction {fraction}) of {path} written)"
+        f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment write: "
+        f"{n} of {len(full)} bytes (fraction {fraction}) of {path} written)"
     ) in _lines(out)
 
 
@@ -284,8 +284,8 @@ def test_kill_after_rename_and_at_cleanup_leave_both_iterations(killed):
         assert r["files"][F4] == r["files"][F2], name
     local = Path(tmp) / "rename" / "local" / "0"
     assert (
-        f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment rename: right "
-        f"after {local / D4} -> {local / F4})"
+        f"[fault-injection] rank 0: SIGKILL during its local save of iteration 4 (moment rename: "
+        f"right after {local / D4} -> {local / F4})"
     ) in _lines(out)
     assert (
         _lines(out).count(

@@ -70,8 +70,8 @@ def check_persistent_file(
                     Problem(
                         "nonfinite",
                         f"persistent {name}: '{key}' chunk at {list(chunk.offsets)} "
-                        f"({ck.dtype_name(t.dtype)}{list(t.shape)}) holds {nan} NaN and {inf} Inf of "
-                        f"{t.numel()} elements",
+                        f"({ck.dtype_name(t.dtype)}{list(t.shape)}) holds {nan} NaN and {inf} "
+                        f"Inf of {t.numel()} elements",
                         file=name,
                         role="persistent",
                         key=key,

@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent(
 
     # in a new thread and inside a custom backward, where torch function modes are normally off
     seen = []
-    t = threading.Thread(target=lambda: seen.append(torch.zeros(1, device="cuda").device.type)); t.start(); t.join()
+    t = threading.Thread(target=lambda: seen.append(torch.zeros(1, device="cuda").device.type)); \
+t.start(); t.join()
     class F(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a): return a * 2

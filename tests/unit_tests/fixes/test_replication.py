@@ -16,7 +16,9 @@ import shutil
 import sys
 
 import pytest
-import replication_doubles as D  # tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
+
+# tests/unit_tests/fixes is on sys.path (pytest rootdir-less import)
+import replication_doubles as D
 import torch
 
 from tests.functional_tests.fault_injection import flip_byte_in_largest_storage

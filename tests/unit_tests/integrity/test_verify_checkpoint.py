@@ -30,7 +30,8 @@ ITER = 10
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """One training run: local checkpoint (replicated) and persistent checkpoint, both of iteration 10.
+    """One training run: local checkpoint (replicated) and persistent checkpoint, both of iteration
+    10.
 
     The loop saves the local checkpoint at 10 (--non-persistent-save-interval 10); the run ends at
     10 and, since 10 % --save-interval != 0, saves the persistent checkpoint of 10 as well.
@@ -81,7 +82,8 @@ def _pick_shard(path: Path, pred):
 
 def _file_offset_of(path: Path, t: torch.Tensor) -> int:
     """Byte offset in ``path`` of ``t``'s first byte: the (unique) stored record whose bytes at the
-    tensor's storage offset are exactly ``t``'s bytes (a shard may be a view into a larger storage)."""
+    tensor's storage offset are exactly ``t``'s bytes (a shard may be a view into a larger
+    storage)."""
     want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     so = t.storage_offset() * t.element_size()
     raw = path.read_bytes()
@@ -330,7 +332,8 @@ def _chunk_data_offset(pc: PersistentCheckpoint, key: str, chunk) -> tuple[Path,
 
 def test_persistent_corrupted_chunk(ckpt, tmp_path):
     """NaN written into a persistent chunk: found by the NaN scan and (with integrity.json) by the
-    manifest; against the local files every copy of that region mismatches -> suspect: persistent."""
+    manifest; against the local files every copy of that region mismatches -> suspect:
+    persistent."""
     w = _copy(ckpt, tmp_path)
     pc = PersistentCheckpoint(w / "ckpt" / "iter_0000010")
     key = next(
