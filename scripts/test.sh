@@ -9,6 +9,7 @@
 # munge with apt-get (as root; nothing is started or configured system-wide) for
 # tests/functional_tests/test_slurm.py. MEGATRON_SKIP_TEST_SERVICES=1 skips that step (test_slurm.py
 # then skips unless SLURM is already installed); --quick never runs it.
+# Both lanes run `ruff check` and `ruff format --check` first (pyproject.toml [tool.ruff]).
 # GPU tests run when a CUDA device is present (MEGATRON_TEST_DEVICE=cuda for the functional lane);
 # cluster-only tests (Transformer Engine, >= 2 GPUs) are skipped here.
 set -euo pipefail
@@ -17,6 +18,9 @@ quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 scripts/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# style first (seconds): ruff lint and format check, configured in pyproject.toml
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 if [ "$quick" = 1 ]; then
   # unit tests that launch nothing, plus the README's "Using it" CPU command (one 2-rank launch)
   exec .venv/bin/python -m pytest tests/unit_tests tests/functional_tests/test_readme_commands.py \
