@@ -1,0 +1,181 @@
+"""Where a persistent ``torch_dist`` checkpoint is, and whether its metadata is whole: the
+iteration directory the verifier reads (:func:`resolve_persistent_dir`), its backend, and the
+chunk coverage of every tensor (:func:`check_chunk_cover`). Input it cannot verify raises
+:class:`CheckpointInputError` on every rank of the verifier's group."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from megatron.integrity.collective import RankFailures
+
+_ITER_DIR = re.compile(r"iter_(\d+)$")
+
+
+class CheckpointInputError(RankFailures, ValueError):
+    """The verifier was given something it cannot verify (missing directory, no checkpoint files,
+    unsupported format, local and persistent iterations that differ...). The message says what is
+    wrong and what to pass instead. Raised by the verifier on every rank of its group
+    (``failures``: the ranks that found it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating the iteration directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _iteration_dirs(root: Path) -> Dict[int, Path]:
+    out = {}
+    for p in root.iterdir():
+        m = _ITER_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def resolve_persistent_dir(
+    path: Union[str, os.PathLike], iteration: Optional[int] = None
+) -> Tuple[Path, Optional[int]]:
+    """Find the iteration directory of a persistent checkpoint.
+
+    Args:
+        path: either an iteration directory (holds ``.metadata``) or a ``--save`` root (holds
+            ``iter_<7 digits>/`` directories and usually ``latest_checkpointed_iteration.txt``).
+        iteration: for a root: which iteration to use (default: the one in
+            ``latest_checkpointed_iteration.txt``, else the highest). For an iteration directory:
+            must match its name.
+
+    Returns:
+        ``(iteration_dir, iteration)``; ``iteration`` is ``None`` only for a directory whose name is
+        not ``iter_<n>`` (the caller then reads it from the checkpoint's common state).
+
+    Raises:
+        CheckpointInputError: the path does not exist, holds no checkpoint, the requested iteration
+            is absent (the message lists the ones present), or the format is not ``torch_dist``.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointInputError(f"persistent checkpoint path {p} does not exist")
+    if not p.is_dir():
+        raise CheckpointInputError(f"persistent checkpoint path {p} is not a directory")
+    if (p / ".metadata").is_file():
+        m = _ITER_DIR.fullmatch(p.name)
+        it = int(m.group(1)) if m else None
+        if iteration is not None and it is not None and it != iteration:
+            raise CheckpointInputError(
+                f"persistent checkpoint {p} is iteration {it}, but iteration {iteration} was "
+                f"requested; pass {p.parent / f'iter_{iteration:07d}'} (if it exists) or the "
+                f"matching iteration"
+            )
+        _check_backend(p)
+        return p, it if it is not None else iteration
+    dirs = _iteration_dirs(p)
+    if not dirs:
+        raise CheckpointInputError(
+            f"{p} is neither a torch_dist iteration directory (no .metadata file) nor a checkpoint "
+            f"root (no iter_<N> subdirectories)"
+        )
+    if iteration is None:
+        tracker = p / "latest_checkpointed_iteration.txt"
+        text = tracker.read_text().strip() if tracker.is_file() else ""
+        iteration = int(text) if text.isdigit() and int(text) in dirs else max(dirs)
+    if iteration not in dirs:
+        raise CheckpointInputError(
+            f"persistent checkpoint root {p} has no iteration {iteration}; it has iteration(s) "
+            f"{sorted(dirs)}. Save a persistent checkpoint at iteration {iteration} or verify a "
+            f"local checkpoint of one of those iterations (--iteration)"
+        )
+    d = dirs[iteration]
+    if not (d / ".metadata").is_file():
+        raise CheckpointInputError(
+            f"{d} has no .metadata file: the save of iteration {iteration} is incomplete or not "
+            f"torch_dist"
+        )
+    _check_backend(d)
+    return d, iteration
+
+
+def _check_backend(d: Path) -> None:
+    meta = d / "metadata.json"
+    if not meta.is_file():
+        return  # a plain DCP directory: readable the same way
+    try:
+        backend = json.loads(meta.read_text()).get("sharded_backend")
+    except (OSError, ValueError) as e:
+        raise CheckpointInputError(f"cannot read {meta}: {e}") from e
+    if backend != "torch_dist":
+        raise CheckpointInputError(
+            f"{d} is a '{backend}' checkpoint; only torch_dist checkpoints "
+            "(--ckpt-format torch_dist) can be verified"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk geometry
+# ---------------------------------------------------------------------------------------------
+
+
+def _volume(sizes: Sequence[int]) -> int:
+    return math.prod(int(s) for s in sizes)
+
+
+def _overlap(a_off, a_sz, b_off, b_sz) -> bool:
+    return all(ao < bo + bs and bo < ao + asz for ao, asz, bo, bs in zip(a_off, a_sz, b_off, b_sz))
+
+
+def check_chunk_cover(
+    shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Sequence[int]]]
+) -> List[str]:
+    """Whether ``chunks`` tile a tensor of ``shape`` exactly: every chunk inside the bounds, no two
+    chunks overlapping, and together every element covered.
+
+    Args:
+        shape: global shape (elements per axis).
+        chunks: ``(offsets, sizes)`` per chunk, in elements.
+
+    Returns:
+        Descriptions of what is wrong (empty when the cover is exact). Overlap detection sweeps
+        along the longest axis, so it is about linear in the number of chunks for grid shardings.
+    """
+    errors: List[str] = []
+    ndim = len(shape)
+    good = []
+    for off, sz in chunks:
+        if len(off) != ndim or len(sz) != ndim:
+            errors.append(f"chunk at {list(off)} has {len(off)} axes, the tensor has {ndim}")
+        elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, shape)):
+            errors.append(
+                f"chunk at {list(off)} of size {list(sz)} exceeds the global shape {list(shape)}"
+            )
+        else:
+            good.append((tuple(off), tuple(sz)))
+    if ndim == 0:
+        n = len(good)
+        if n != 1:
+            errors.append(f"0-d tensor stored in {n} chunks")
+        return errors
+    dim = max(range(ndim), key=lambda i: shape[i])
+    order = sorted(range(len(good)), key=lambda i: good[i][0][dim])
+    active: List[int] = []
+    overlaps = 0
+    for i in order:
+        off, sz = good[i]
+        active = [j for j in active if good[j][0][dim] + good[j][1][dim] > off[dim]]
+        for j in active:
+            if _overlap(off, sz, *good[j]) and _volume(sz) and _volume(good[j][1]):
+                overlaps += 1
+                if overlaps <= 3:
+                    errors.append(f"chunks at {list(good[j][0])} and {list(off)} overlap")
+        active.append(i)
+    if overlaps > 3:
+        errors.append(f"... {overlaps} overlapping chunk pairs in all")
+    covered = sum(_volume(sz) for _, sz in good)
+    total = _volume(shape)
+    if not overlaps and covered != total:
+        errors.append(f"chunks cover {covered} of {total} elements (gap of {total - covered})")
+    return errors
