@@ -41,7 +41,8 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 
 from megatron.fixes.registry import Patcher, wraps_upstream
 from megatron.integrity import checksums as ck
-from megatron.integrity import local_identity, local_layout
+from megatron.integrity import collective, local_identity, local_layout
+from megatron.integrity.tensors import is_quantized
 from megatron.training_ext.console import write_line
 
 logger = logging.getLogger("megatron.training_ext.local_tier")
@@ -127,9 +128,7 @@ def _say(message: str) -> None:
 
 def _gather(obj: Any) -> list:
     """``all_gather_object`` on the default group (world)."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return collective.all_gather_object(obj)
 
 
 def _flag_device() -> torch.device:
@@ -188,10 +187,6 @@ def _tensor_keys(state_dict: Any, count: int) -> List[tuple]:
     return [(f"tensor[{i}]", None) for i in range(count)]
 
 
-def _is_quantized(t: torch.Tensor) -> bool:
-    return type(t).dequantize is not torch.Tensor.dequantize
-
-
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor (on ``t``'s device, no synchronisation): all values of ``t`` are finite.
 
@@ -218,7 +213,7 @@ def _finite_flags(tensors: List[torch.Tensor]) -> List[Optional[bool]]:
     flags: List[Optional[bool]] = [None] * len(tensors)
     pending: List[tuple[int, torch.Tensor]] = []
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or _is_quantized(t):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or is_quantized(t):
             continue
         if not (t.is_floating_point() or t.is_complex()):
             flags[i] = True
