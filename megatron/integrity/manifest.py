@@ -28,6 +28,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import xxhash
 
+from megatron.integrity import collective
+
 __all__ = [
     "ALGORITHM",
     "BLOCK_BYTES",
@@ -472,12 +474,7 @@ def _dist():
 
 
 def _gather(obj, group=None) -> list:
-    dist = _dist()
-    if dist is None or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return collective.all_gather_object(obj, group)
 
 
 def _rank_world(group=None) -> Tuple[int, int]:
