@@ -22,9 +22,7 @@ import io
 import os
 import shutil
 import signal
-import struct
 import sys
-import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -169,16 +167,14 @@ def flip_byte_in_largest_storage(path: str) -> int:
     Raises:
         ValueError: the file holds no tensor storage.
     """
-    with zipfile.ZipFile(path) as z:
-        storages = [i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0]
+    from megatron.integrity.torch_save import storage_records  # the one record parser
+
+    storages = [r for r in storage_records(path) if r.nbytes > 0]
     if not storages:
         raise ValueError(f"{path}: no tensor storage in this file")
-    info = max(storages, key=lambda i: i.file_size)
+    largest = max(storages, key=lambda r: r.nbytes)
+    pos = largest.offset + largest.nbytes // 2
     with open(path, "r+b") as f:
-        f.seek(info.header_offset)
-        header = f.read(30)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        pos = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
         f.seek(pos)
         b = f.read(1)
         f.seek(pos)
