@@ -10,7 +10,8 @@ Usage::
 
 A failure on any rank fails the test with that rank's traceback. ``body`` runs with
 ``torch.distributed`` initialised (backend gloo) and is torn down afterwards. A rank whose body
-passed leaves through ``os._exit(0)`` after ``destroy_process_group()`` (no barrier: a guard
+passed leaves through ``os._exit(0)`` after ``destroy_process_group()`` and the ``atexit``
+handlers (so multiprocessing still reaps the rank's children; no barrier: a guard
 scenario may leave a peer inside a collective that fails only once this process ends): gloo's
 threads can otherwise abort the process during interpreter finalization (``terminate called
 without an active exception``, exit code -6), which is torch's teardown, not the body's result.
@@ -18,6 +19,7 @@ without an active exception``, exit code -6), which is torch's teardown, not the
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -54,9 +56,10 @@ def _worker(rank, world_size, port, fn, args, errors):
             pass
         raise
     dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs (multiprocessing reaps its children, ...)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0)  # then skip interpreter finalization, where gloo's threads can abort
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
