@@ -12,7 +12,7 @@
 # a section timeout (ft_config.yaml), it stops the worker group on every node and starts it again,
 # up to FT_MAX_RESTARTS times, without giving up the SLURM allocation. Each start resumes from the
 # newest checkpoint: the local tier when it is complete and valid (a lost node's shards come from
-# their replicas), otherwise the persistent tier (megatron/training_ext/local_tier.py).
+# their replicas), otherwise the persistent tier (megatron/training_ext/local_tier/).
 #
 # Environment (all optional):
 #   NPROC_PER_NODE   workers per node (default 8)

@@ -143,7 +143,7 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "freshly built model, so quantizers load and train under any TP/EP/ETP. "
         "Upstream 0.19.2 lacks this step (megatron.post_training).",
     )
-    # Validated local checkpoint tier (megatron/training_ext/local_tier.py).
+    # Validated local checkpoint tier (megatron/training_ext/local_tier/).
     group.add_argument(
         "--no-local-tier-validation",
         dest="local_tier_validation",

@@ -1,5 +1,5 @@
 """In-job restart with NVRx ``ft_launcher`` and the validated local checkpoint tier
-(``megatron/training_ext/local_tier.py``), on the real entrypoint (2 ranks, ``--cpu``).
+(``megatron/training_ext/local_tier/``), on the real entrypoint (2 ranks, ``--cpu``).
 
 Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations
 and local checkpoints every 2, replicated to the other rank. Faults are deterministic

@@ -1,4 +1,4 @@
-"""The validated local checkpoint tier (``megatron/training_ext/local_tier.py``) piece by piece, on
+"""The validated local checkpoint tier (``megatron/training_ext/local_tier/``) piece by piece, on
 two gloo processes with the real NVRx ``LocalCheckpointManager``, the real
 ``MCoreTensorAwareStateDict`` and (where named) the replication fix's strategy.
 

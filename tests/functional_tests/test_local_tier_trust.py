@@ -1,5 +1,5 @@
 """A local checkpoint is used only when it is the right run and topology, and a bad copy is
-repaired from a verified replica (``megatron/training_ext/local_tier.py``), on the real entrypoint
+repaired from a verified replica (``megatron/training_ext/local_tier/``), on the real entrypoint
 (2 ranks, ``--cpu``).
 
 One base run writes persistent checkpoints every 5 iterations and local ones every 2, replicated to

@@ -1,0 +1,181 @@
+"""The validated local checkpoint tier: local checkpoints are used only when they are the right
+run, iteration and topology; a bad copy is repaired from a verified replica; an interrupted save
+never blocks a later one; a NaN right after a local resume sends the next start to the persistent
+tier.
+
+Upstream (megatron-core 0.19.2 with NVRx 0.7.0) loads whatever local files it finds (another run's,
+another topology's, a corrupt primary although a replica is good), and a ``*.dirty.pt`` left by a
+killed save makes every later save of that iteration fail. :func:`install` makes
+:class:`ValidatedLocalCheckpointManager` the class ``pretrain()`` builds and wraps ``train_step``
+for the NaN window. Modules: ``manager`` (save, load), ``resolve`` (the collective load decision),
+``checks``, ``markers``, ``nan_window``, ``common``. Rules: ``docs/local-tier.md``. Flags
+(``megatron/training_ext/args.py``): ``--no-local-tier-validation``, ``--local-tier-nan-window N``,
+``--local-tier-run-id ID``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Optional
+
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+    LocalCheckpointManager,
+)
+
+from megatron.fixes.registry import Patcher
+from megatron.integrity import local_identity
+from megatron.training_ext.local_tier import common
+from megatron.training_ext.local_tier.checks import _finite_flags as _finite_flags  # for tests
+from megatron.training_ext.local_tier.checks import _verify as _verify  # for tests
+from megatron.training_ext.local_tier.common import (
+    _RERUN_EXIT_CODES,
+    DEFAULT_NAN_WINDOW,
+    FINITE_ATTR,
+    LOCAL_TIER_BAD_EXIT_CODE,
+    LOG_PREFIX,
+    MARKER_NAME,
+    QUARANTINE_DIR,
+    _State,
+)
+from megatron.training_ext.local_tier.manager import ValidatedLocalCheckpointManager
+from megatron.training_ext.local_tier.markers import read_marker
+from megatron.training_ext.local_tier.nan_window import _wrap_train_step, _wrap_validate_result
+
+logger = logging.getLogger("megatron.training_ext.local_tier")
+
+__all__ = [
+    "DEFAULT_NAN_WINDOW",
+    "FINITE_ATTR",
+    "LOCAL_TIER_BAD_EXIT_CODE",
+    "LOG_PREFIX",
+    "MARKER_NAME",
+    "QUARANTINE_DIR",
+    "ValidatedLocalCheckpointManager",
+    "install",
+    "installed",
+    "loaded_local_iteration",
+    "read_marker",
+    "uninstall",
+]
+
+_PATCHER = Patcher("local_tier")
+_UP: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """``_STATE``: the current decision state (:data:`common.STATE`, ``None`` when not installed);
+    a module attribute lookup so that it follows :func:`install` and :func:`uninstall`."""
+    if name == "_STATE":
+        return common.STATE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def installed() -> bool:
+    return common.STATE is not None
+
+
+def loaded_local_iteration() -> Optional[int]:
+    """The local iteration this process resumed from (after validation), else ``None``."""
+    return None if common.STATE is None else common.STATE.local_load_iteration
+
+
+def install(args: Any) -> None:
+    """Install the validated local tier for ``args`` (``install_training_hooks`` calls it).
+
+    Does nothing unless ``args.non_persistent_ckpt_type == 'local'`` and
+    ``args.local_tier_validation``. Makes ``LocalCheckpointManager`` (the name ``pretrain()``
+    imports) :class:`ValidatedLocalCheckpointManager` and wraps ``train_step`` and
+    ``RerunStateMachine.validate_result`` for the NaN window. Idempotent: a second call (a new
+    start of training in the same process: another restart attempt) keeps the patches and starts
+    from a fresh decision state, so nothing an earlier attempt decided (a rejected local tier, the
+    iteration it resumed from, its NaN window, a marker written) carries over: each attempt
+    resolves the local tier afresh, as a new process does.
+
+    Raises:
+        RuntimeError: the upstream functions this module wraps are missing or changed signature
+            (a megatron-core other than the pinned 0.19.2), naming the function; raised on every
+            rank before any process group exists.
+    """
+    if getattr(args, "non_persistent_ckpt_type", None) != "local":
+        return
+    validation = bool(getattr(args, "local_tier_validation", True))
+    if not validation:
+        return
+    window = getattr(args, "local_tier_nan_window", None)
+    window = DEFAULT_NAN_WINDOW if window is None else int(window)
+    if common.STATE is not None:  # same object (holders keep it), every field as for a new process
+        vars(common.STATE).update(
+            vars(
+                _State(
+                    validation=validation,
+                    nan_window=window,
+                    args=args,
+                    settings=local_identity.run_settings(args),
+                    topology=local_identity.topology(args),
+                )
+            )
+        )
+        return
+
+    import megatron.core.rerun_state_machine as rsm
+    import megatron.training.training as training
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
+
+    fn = getattr(training, "train_step", None)
+    if fn is None or "iteration" not in inspect.signature(fn).parameters:
+        raise RuntimeError(
+            "local_tier: megatron.training.training.train_step is missing or has "
+            "changed (expected a parameter 'iteration'); this module targets "
+            "megatron-core 0.19.2"
+        )
+    if local_manager.LocalCheckpointManager is not LocalCheckpointManager:
+        raise RuntimeError(
+            "local_tier: nvidia_resiliency_ext LocalCheckpointManager was already "
+            f"replaced by {local_manager.LocalCheckpointManager!r}"
+        )
+    if (
+        rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+        rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    ) != _RERUN_EXIT_CODES:
+        raise RuntimeError("local_tier: upstream rerun exit codes changed")
+
+    common.STATE = _State(
+        validation=validation,
+        nan_window=window,
+        args=args,
+        settings=local_identity.run_settings(args),
+        topology=local_identity.topology(args),
+    )
+    _PATCHER.replace(
+        local_manager,
+        "LocalCheckpointManager",
+        ValidatedLocalCheckpointManager,
+        "pretrain() builds this class: local files are verified (checksums, identity, "
+        "finiteness) and a bad local tier falls back to the persistent checkpoint",
+    )
+    for owner, name, wrap, why in (
+        (
+            training,
+            "train_step",
+            _wrap_train_step,
+            "the NaN window after a local-tier resume watches each iteration's loss and grad norm",
+        ),
+        (
+            rsm.RerunStateMachine,
+            "validate_result",
+            _wrap_validate_result,
+            "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
+        ),
+    ):
+        original = getattr(owner, name)
+        _UP[name] = original
+        _PATCHER.replace(owner, name, wrap(original), why)
+    logger.info("local_tier: validated local checkpoint tier installed (NaN window %d)", window)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    _PATCHER.restore()
+    _UP.clear()
+    common.STATE = None

@@ -1,0 +1,277 @@
+""":class:`ValidatedLocalCheckpointManager`: NVRx's ``LocalCheckpointManager`` whose saves carry
+finiteness and identity records and whose loads go through the collective resolution
+(:mod:`.resolve`).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+    LocalCheckpointManager,
+)
+
+from megatron.integrity import checksums as ck
+from megatron.integrity import local_identity, local_layout
+from megatron.training_ext.local_tier import common
+from megatron.training_ext.local_tier.checks import (
+    _fingerprint,
+    _finite_flags,
+    _tensor_keys,
+    _verify,
+)
+from megatron.training_ext.local_tier.common import (
+    FINITE_ATTR,
+    FINITE_FORMAT,
+    _exc_text,
+    _gather,
+    _megatron_args,
+    _rank,
+    _say,
+    _short,
+    logger,
+)
+from megatron.training_ext.local_tier.markers import _clear_marker
+from megatron.training_ext.local_tier.resolve import LocalTierResolution, _Copy, _Resolution
+
+
+class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManager):
+    """NVRx ``LocalCheckpointManager`` (0.7.0) whose checkpoints are only used when they are the
+    right run, iteration and topology, are repaired from verified replicas, and whose saves are
+    never blocked by an interrupted earlier save.
+
+    ``pretrain()`` builds it (it imports ``LocalCheckpointManager`` inside the function; while the
+    validated tier is installed that name is this class). Same constructor and contract as upstream.
+
+    * ``save``: records per tensor whether it is finite and the identity of the shard
+      (:mod:`megatron.integrity.local_identity`: run id, topology, iteration, owner, save token);
+      both travel with the hollow state dict to every replica. Before the first save of a process,
+      leftovers of an interrupted save (``*.dirty.pt``) are removed.
+    * ``_save``: attaches checksums when there is no replication (the replication fix does with
+      replication) and replaces a stale ``.dirty.pt`` instead of failing on it.
+    * ``find_latest`` (first call of a process, i.e. the load): the collective resolution
+      described in ``docs/local-tier.md``; returns the local iteration to load, or -1 to make
+      upstream load the persistent tier. Later calls (save finalization) are upstream's.
+    * ``load``: returns the state dict the resolution verified (and repaired), without reading
+      the files again.
+
+    Raises (``find_latest``/``load``): nothing of its own for bad local files (they are rejected
+    collectively, with one ``[local-tier]`` line per rank); ``CheckpointingException`` when
+    ``load`` is called before ``find_latest`` (as upstream).
+    """
+
+    def __init__(self, root_local_ckpt_dir, session_id: str = "", repl_strategy=None):
+        super().__init__(root_local_ckpt_dir, session_id=session_id, repl_strategy=repl_strategy)
+        self._resolution: Optional[_Resolution] = None
+        self._generation: Optional[str] = None
+        self._identity: Optional[tuple] = None
+        self._saved = False
+        self._loads_served = 0
+        self.timings: dict[
+            str, float
+        ] = {}  # seconds of the start: total, headers, own_primary, agree, repair, identity
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_resolution"] = None  # never ship the loaded state dict to a worker
+        return state
+
+    def _identity_parts(self) -> tuple[str, str, dict, dict]:
+        """(run id, its source, run settings, topology): the agreed values once a collective
+        settled them, else this rank's own (rank 0 creates the run token in ``--save``)."""
+        if self._identity is not None:
+            return self._identity
+        args = _megatron_args()
+        st = common.STATE
+        token = local_identity.run_token(getattr(args, "save", None), create=_rank() == 0)
+        run_id, source, settings = local_identity.run_identity(
+            args, token, st.settings if st is not None else None
+        )
+        topo = (
+            st.topology
+            if st is not None and st.topology is not None
+            else local_identity.topology(args)
+        )
+        return run_id, source, settings, dict(topo)
+
+    def _agree_generation(self) -> str:
+        """Collective (first call only): rank 0's run identity and a token shared by every rank
+        of this process generation (the save token of every file it writes)."""
+        if self._generation is None:
+            gen, ident = _gather((uuid.uuid4().hex, self._identity_parts()))[0]
+            self._generation, self._identity = gen, tuple(ident)
+        return self._generation
+
+    def save(self, state_dict, iteration, is_async=False):
+        generation = self._agree_generation()
+        if not self._saved:
+            self._saved = True
+            self._resolution = None  # release what the load held
+            removed = self._remove_dirty()
+            if removed:
+                _say(
+                    f"removed {len(removed)} leftover(s) of an interrupted save: "
+                    f"{', '.join(removed)}"
+                )
+        tensors = list(state_dict.tensors)
+        setattr(
+            state_dict,
+            FINITE_ATTR,
+            {
+                "format": FINITE_FORMAT,
+                "version": 1,
+                "owner_rank": _rank(),
+                "finite": _finite_flags(tensors),
+            },
+        )
+        run_id, source, settings, topo = self._identity_parts()
+        setattr(
+            state_dict,
+            local_identity.IDENTITY_ATTR,
+            local_identity.make_identity(
+                run_id, source, settings, topo, iteration, _rank(), generation, socket.gethostname()
+            ),
+        )
+        return super().save(state_dict, iteration, is_async)
+
+    def _save(self, state_dict, ckpt_id):
+        if self.repl_strategy is None:
+            try:
+                has_record = ck.get_record(state_dict) is not None
+            except ValueError:
+                has_record = True  # leave a foreign record alone; load reports it
+            if not has_record:
+                try:
+                    tensors = list(state_dict.tensors)
+                    names = _tensor_keys(state_dict, len(tensors))
+                    entries = [
+                        ck.make_entry(i, k, t, global_offset=o)
+                        for i, ((k, o), t) in enumerate(zip(names, tensors))
+                    ]
+                    ck.attach_record(state_dict, ck.make_record(ckpt_id[1], entries))
+                except (TypeError, ValueError) as e:  # quantized/meta tensors: save unverified
+                    logger.warning("local checkpoint %s saved without checksums: %s", ckpt_id, e)
+        stale = self._local_ckpt_path_from_id(ckpt_id, True)
+        if stale.exists():  # an interrupted save of this iteration: only this rank writes here
+            logger.warning(
+                "local checkpoint: replacing the leftover %s of an interrupted save", stale
+            )
+            stale.unlink(missing_ok=True)
+        return super()._save(state_dict, ckpt_id)
+
+    def _cleanup(self, iteration):
+        result = super()._cleanup(iteration)
+        _clear_marker(self, iteration)
+        return result
+
+    def _remove_dirty(self) -> List[str]:
+        d = Path(self.local_ckpt_dir)
+        removed = []
+        if d.is_dir():
+            for p in sorted(d.iterdir()):
+                parsed = local_layout.parse_local_name(p.name)
+                if parsed is not None and parsed[2] and p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed.append(p.name)
+        return removed
+
+    def find_latest(self):
+        if (
+            self._saved
+            or common.STATE is None
+            or not (dist.is_available() and dist.is_initialized())
+        ):
+            return super().find_latest()
+        if self._resolution is None:
+            self._resolution = self._resolve()
+        self.latest_iteration = self._resolution.iteration
+        return self._resolution.iteration
+
+    def load(self):
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
+            CheckpointingException,
+        )
+
+        res = self._resolution
+        if res is None or res.iteration == -1 or res.state_dict is None:
+            if self.latest_iteration == -1:
+                raise CheckpointingException(
+                    "The 'find_latest' method must be called before invoking the 'load' function."
+                )
+            return super().load()
+        st = common.STATE
+        st.manager = self
+        st.local_load_iteration = res.iteration
+        self._loads_served += 1
+        sd, cid = res.state_dict, res.ckpt_id
+        if self._loads_served >= 2:  # upstream reads twice (arguments, then the state)
+            res.state_dict = None
+        return sd, cid
+
+    def _inspect(
+        self, run_id: str, settings: dict, topo: dict
+    ) -> tuple[List[_Copy], dict, List[str]]:
+        """This rank's local files: the header of every copy (memory-mapped, no tensor data read),
+        and the own primary of the newest iteration fully loaded and verified (checksums,
+        finiteness). Returns (copies, {ckpt_id: (state dict, summary)}, leftovers removed)."""
+        me = _rank()
+        leftovers = self._remove_dirty()
+        files = []
+        d = Path(self.local_ckpt_dir)
+        if d.is_dir():
+            for p in d.iterdir():
+                parsed = local_layout.parse_local_name(p.name)
+                if parsed is not None and not parsed[2] and p.is_file():
+                    files.append((parsed[0], parsed[1], p))
+        own_iters = [it for it, owner, _ in files if owner == me]
+        speculative = max(own_iters) if own_iters else None
+        copies, loaded = [], {}
+        for it, owner, path in sorted(files, key=lambda x: (-x[0], x[1])):
+            c = _Copy(it, owner, me, None)
+            copies.append(c)
+            try:
+                try:
+                    header = local_identity.read_header(path)
+                except Exception:  # noqa: BLE001 - let torch tell what is wrong with the file
+                    header = torch.load(path, mmap=True, weights_only=False)
+                rec = local_identity.get_identity(header)
+            except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
+                c.problem = f"unreadable: {_exc_text(e)}"
+                continue
+            problems = local_identity.identity_problems(rec, run_id, settings, topo, it, owner)
+            if rec is not None:
+                c.run_id, c.token = rec.get("run_id"), rec.get("save_token")
+                if c.run_id != run_id:  # decided collectively against the agreed run id
+                    c.foreign, problems = problems[0], problems[1:]
+            c.problem = "; ".join(problems) or None
+            c.fingerprint = _fingerprint(header)
+            del header
+            if c.problem is None and c.foreign is None and owner == me and it == speculative:
+                self._verify_own(c, loaded)
+        return copies, loaded, leftovers
+
+    def _verify_own(self, c: _Copy, loaded: dict) -> None:
+        """Load this rank's primary ``c`` as upstream does and check it against its checksums and
+        finiteness record; sets ``c.problem`` or stores it in ``loaded``."""
+        cid = self._ckpt_id(c.iteration)
+        t0 = time.perf_counter()
+        try:
+            sd = self._load(cid)  # host tensors as stored: verified before they go to the device
+            errors, summary = _verify(sd, f"rank {c.holder}'s primary", check_checksums=True)
+            sd.restore_tensor_device(non_blocking=False)
+        except Exception as e:  # noqa: BLE001
+            errors, summary = [f"unreadable: {_exc_text(e)}"], ""
+        self.timings["own_primary"] = (
+            self.timings.get("own_primary", 0.0) + time.perf_counter() - t0
+        )
+        c.bytes_verified = True
+        if errors:
+            c.problem = _short("; ".join(errors), 400)
+        else:
+            loaded[cid] = (sd, summary)
