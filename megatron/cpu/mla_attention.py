@@ -3,10 +3,9 @@
 Upstream's local spec (``get_gpt_layer_local_spec(multi_latent_attention=True)``) cannot build MLA:
 ``MultiLatentAttention`` builds its core attention with ``k_channels`` / ``v_channels`` (the
 query/key head size ``qk_head_dim + qk_pos_emb_head_dim`` differs from the value head size
-``v_head_dim``),
-which only ``TEDotProductAttention`` accepts; the local ``DotProductAttention`` raises
-``TypeError: __init__() got an unexpected keyword argument 'k_channels'`` and also assumes one head
-size (``kv_channels``) for its output. :class:`CpuMLACoreAttention` takes MLA's signature and
+``v_head_dim``), which only ``TEDotProductAttention`` accepts; the local ``DotProductAttention``
+raises ``TypeError: ... unexpected keyword argument 'k_channels'`` and assumes one head size
+(``kv_channels``) for its output. :class:`CpuMLACoreAttention` takes MLA's signature and
 computes attention with ``torch.nn.functional.scaled_dot_product_attention``, which allows a value
 head size different from the query/key one.
 

@@ -10,10 +10,9 @@ verified on a CPU at load or by the verifier. Definition (version 1), over a ten
     S       = sum over i of mix(w[i] + (i + 1) * 0x9E3779B97F4A7C15)
     pmix64  = mix(S ^ (n * 0xD6E8FEB86659FD93 + 0x2545F4914F6CDD1D))
 
-``mix`` (splitmix64's finaliser) is a bijection, so a change of any one word (every single-bit
-flip) always changes ``S``; the position added before mixing makes an exchange of two words or a
-shift change it too (with probability 1 - 2**-64); ``n`` makes truncation visible. The sum is
-order-free, so chunks and GPU blocks reduce in any order with the same result.
+``mix`` (splitmix64's finaliser) is a bijection: a change of one word (any single-bit flip) always
+changes ``S``; the position makes a swap or shift change it (probability 1 - 2**-64); ``n`` makes
+truncation visible; the sum is order-free, so chunks and GPU blocks reduce in any order.
 """
 
 from __future__ import annotations

@@ -6,16 +6,9 @@ local tier (:mod:`megatron.training_ext.local_tier`) stores the record defined h
 file (primary and replicas: it travels with the hollow state dict) and checks it before a file is
 used; ``tools/verify_checkpoint.py`` reads it too. The rules are in ``docs/local-tier.md``.
 
-Record (attribute :data:`IDENTITY_ATTR` of the saved ``TensorAwareStateDict``, builtin types only)::
-
-    {"format": "megatron.local_tier.identity", "version": 1,
-     "run_id": "3fa2c0d1e4b59a77",           # run_identity(): derived digest or --local-tier-run-id
-     "run_id_source": "derived",             # or "--local-tier-run-id"
-     "run_settings": {"seed": 1234, "run_token": "...", ...},  # what the derived id digests
-     "topology": {"world_size": 8, "tensor_model_parallel_size": 2, ...},
-     "iteration": 12, "owner_rank": 3,       # the shard: whose state, of which iteration
-     "save_token": "9d0c...",                # the same in every file of one save (all ranks)
-     "host": "node-17"}                      # where the owner ran
+The record (attribute :data:`IDENTITY_ATTR` of the saved ``TensorAwareStateDict``, builtin types
+only; format ``megatron.local_tier.identity`` v1) is built by :func:`make_identity`: run id and its
+source, the run settings it digests, topology, iteration, owner rank, save token, host.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ The file is megatron-core's integrity manifest (``{"algorithm": ..., "files": {n
 ``megatron.core.dist_checkpointing.validation``) with a faster algorithm, ``xxh3-64-blocks``:
 xxh3-64 of every :data:`BLOCK_BYTES` block of a file (``"blocks"``), the file's size (``"sizes"``)
 and, under ``"files"``, the xxh3-128 of the size and block digests (one value per file, as
-upstream's format has). Upstream's ``sha256`` manifests (written by ``--verify-integrity`` of an
-unpatched megatron-core) verify as well, file by file. Design and measured costs:
-``docs/persistent-tier.md``.
+upstream's format has; :mod:`megatron.integrity.file_digest`). Upstream's ``sha256`` manifests
+verify as well, file by file. Design and measured costs: ``docs/persistent-tier.md``.
 
 Saving and verifying are collective when ``torch.distributed`` is initialised: every rank hashes
 the data files it wrote (``__<rank>_<n>.distcp``) or its share of the files to verify, then one
@@ -18,17 +17,22 @@ the data files it wrote (``__<rank>_<n>.distcp``) or its share of the files to v
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
-
-import xxhash
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.integrity import collective
+from megatron.integrity.file_digest import (
+    ALGORITHM,
+    BLOCK_BYTES,
+    VERSION,
+    FileDigest,
+    _sha256,
+    hash_file,
+)
 
 __all__ = [
     "ALGORITHM",
@@ -49,12 +53,7 @@ __all__ = [
 ]
 
 INTEGRITY_FNAME = "integrity.json"  # megatron-core's name (validation.INTEGRITY_FNAME)
-ALGORITHM = "xxh3-64-blocks"
-VERSION = 1
 UPSTREAM_ALGORITHM = "sha256"
-BLOCK_BYTES = 4 << 20
-"""Bytes per block digest (4 MiB): the precision of the byte range a problem names; a 1 TB
-checkpoint gets ~250k block digests (~5 MB of JSON)."""
 
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 
@@ -121,16 +120,6 @@ class CheckpointIntegrityError(_Base):
         super().__init__("\n".join(lines))
 
 
-@dataclass(frozen=True)
-class FileDigest:
-    """Digests of one file: ``size`` in bytes, one xxh3-64 hex digest per :data:`BLOCK_BYTES`
-    block (``blocks``) and the file digest (xxh3-128 hex of size and blocks)."""
-
-    size: int
-    blocks: Tuple[str, ...]
-    digest: str
-
-
 @dataclass
 class VerifySummary:
     """What :func:`verify_checkpoint_dir` checked: ``algorithm`` (``None``: no manifest, sizes
@@ -141,69 +130,6 @@ class VerifySummary:
     bytes: int = 0
     seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hashing
-# ---------------------------------------------------------------------------------------------
-
-
-def _file_digest(size: int, blocks: Sequence[str]) -> str:
-    h = xxhash.xxh3_128()
-    h.update(f"{ALGORITHM}:{VERSION}:{size}:".encode())
-    h.update("".join(blocks).encode())
-    return h.hexdigest()
-
-
-def _blocks(path: Path, block_bytes: int) -> Iterable[memoryview]:
-    """The file's bytes in blocks, zero-copy from the page cache (mmap) where possible."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return
-        try:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):  # a file system without mmap: read with a reused buffer
-            buf = memoryview(bytearray(block_bytes))
-            while n := f.readinto(buf):
-                yield buf[:n]
-            return
-        try:
-            if hasattr(m, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
-                m.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(m)
-            try:
-                for off in range(0, size, block_bytes):
-                    part = view[off : off + block_bytes]
-                    try:
-                        yield part
-                    finally:
-                        part.release()
-            finally:
-                view.release()
-        finally:
-            m.close()
-
-
-def hash_file(path: Union[str, os.PathLike], block_bytes: int = BLOCK_BYTES) -> FileDigest:
-    """xxh3-64 of every ``block_bytes`` block of ``path`` and the file digest.
-
-    Raises:
-        OSError: the file cannot be opened or read.
-    """
-    path = Path(path)
-    blocks = [xxhash.xxh3_64_hexdigest(b) for b in _blocks(path, block_bytes)]
-    size = path.stat().st_size
-    return FileDigest(size=size, blocks=tuple(blocks), digest=_file_digest(size, blocks))
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for b in _blocks(path, BLOCK_BYTES):
-        h.update(b)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

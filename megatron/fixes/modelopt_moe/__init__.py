@@ -11,8 +11,8 @@ stands aside on its own when upstream behaves for it):
 * :mod:`megatron.fixes.modelopt_state`: ModelOpt state in persistent and local checkpoints (a
   megatron-core defect; a part here so that the CLI keeps listing ten fixes).
 
-Helpers for users of quantized models (summary, restore): :mod:`megatron.training_ext.modelopt`.
-Design notes and limits: ``docs/fixes/modelopt_moe.md``.
+User helpers (summary, restore): :mod:`megatron.training_ext.modelopt`. Design notes and limits:
+``docs/fixes/modelopt_moe.md``.
 """
 
 from __future__ import annotations

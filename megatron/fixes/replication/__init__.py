@@ -1,5 +1,4 @@
-"""Fix: local checkpoint replication corrupts quantized weights (NVRx issue 349, Megatron-LM issue
-5281).
+"""Fix: local checkpoint replication corrupts quantized weights (NVRx #349, Megatron-LM #5281).
 
 With ``--non-persistent-ckpt-type local --replication``, NVRx 0.7.0
 ``CliqueReplicationStrategy.replicate`` broadcasts raw tensors into ``empty_like`` buffers:
@@ -10,9 +9,9 @@ arrive wrong, ``float8_*`` / ``uint16`` fail on gloo; peer recovery hardcodes ``
 checksums every replica (xxh3 on gloo, ``pmix64`` on the GPU over NCCL) and verifies them before
 any file is written and again on load; failures raise :class:`UnsupportedTensorError` or
 :class:`GroupChecksumMismatchError` (a ``ChecksumMismatchError``) on every rank of the group.
-Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; its ``_broadcast`` and
-``_cpu_checksum`` are the fault and timing hooks), ``replicate``, ``retrieve``, ``strategy``,
-``probe``. Design: docs/fixes/replication.md.
+Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; ``_broadcast`` and
+``_cpu_checksum`` are its fault and timing hooks), ``replicate``, ``retrieve``, ``strategy``,
+``probe``. Design: ``docs/fixes/replication.md``.
 """
 
 from __future__ import annotations
