@@ -75,38 +75,8 @@ def run_pretrain(
     log = workdir / loss_file
     if log.exists():
         log.unlink()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        str(entry),
-    ]
-    if device(env) == "cpu":
-        cmd.append("--cpu")
-    else:
-        import importlib.util
-
-        if importlib.util.find_spec("transformer_engine") is None:
-            cmd += ["--transformer-impl", "local"]
-    cmd += TINY_GPT + (["--mock-data"] if mock else []) + list(args) + ["--loss-log", str(log)]
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        **(env or {}),
-    }
-    proc = subprocess.run(
-        cmd,
-        cwd=workdir,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log, entry=entry)
+    proc = run_captured(cmd, workdir, launch_env(env), timeout)
     losses = loss_log.read(str(log)) if log.exists() else {}
     result = Run(proc.returncode, proc.stdout, losses)
     if check:
@@ -248,15 +218,36 @@ def pretrain_command(
     return cmd
 
 
-def _launch_env(env: dict | None, tag: str) -> dict:
-    return {
+def launch_env(env: dict | None = None, tag: str | None = None) -> dict:
+    """The environment of a launched run: this one, with this repository on ``PYTHONPATH``,
+    unbuffered output, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, then ``env``; with ``tag``, also
+    :data:`TAG_ENV` (see :func:`kill_tagged`)."""
+    full = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         **(env or {}),
-        TAG_ENV: tag,
     }
+    if tag is not None:
+        full[TAG_ENV] = tag
+    return full
+
+
+def run_captured(
+    cmd: list[str], workdir: Path, env: dict, timeout: float
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in ``workdir`` to completion; stdout and stderr together in ``.stdout`` (text).
+    Raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+    return subprocess.run(
+        cmd,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @dataclass
@@ -291,7 +282,7 @@ def run_pretrain_reaped(
         proc = subprocess.Popen(
             cmd,
             cwd=workdir,
-            env=_launch_env(env, tag),
+            env=launch_env(env, tag),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -425,7 +416,7 @@ def start_node(
         [*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file, entry=entry
     )
     tag = f"{os.getpid()}-{time.time_ns()}-node{node_rank}"
-    full_env = _launch_env(env, tag)
+    full_env = launch_env(env, tag)
     # torchrun sets OMP_NUM_THREADS=1 only with --nproc-per-node > 1: with one worker per node it
     # would use every core, and its multithreaded reductions (the grad norm) differ in the last bit
     # from a run with one thread per rank

@@ -26,7 +26,6 @@ Skipped only where ``ft_launcher`` cannot run (the reason is given).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -43,6 +42,8 @@ from tests.functional_tests.launch import (
     TINY_GPT,
     assert_bitwise_equal,
     device,
+    launch_env,
+    run_captured,
     run_pretrain,
 )
 from tests.helpers.dist import free_port
@@ -109,10 +110,7 @@ def run_ft(
         cmd.append("--cpu")
     cmd += TINY_GPT + ["--mock-data"] + list(args) + ["--loss-log", str(log)]
     full_env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        **launch_env(),
         "NPROC_PER_NODE": "2",
         "NNODES": "1",
         "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
@@ -121,15 +119,7 @@ def run_ft(
         "PYTHON": sys.executable,
         **(env or {}),
     }
-    proc = subprocess.run(
-        cmd,
-        cwd=workdir,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_captured(cmd, workdir, full_env, timeout)
     return proc.returncode, proc.stdout, log
 
 

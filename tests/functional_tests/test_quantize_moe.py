@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import ast
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -38,6 +36,8 @@ from tests.functional_tests.launch import (
     Run,
     assert_bitwise_equal,
     device,
+    launch_env,
+    run_captured,
     run_pretrain,
 )
 from tests.helpers.dist import free_port
@@ -98,13 +98,7 @@ def run_quantize(
     (``--cpu`` unless ``env`` asks for ``MEGATRON_TEST_DEVICE=cuda`` and CUDA is present, as
     ``launch.run_pretrain``)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        **(env or {}),
-    }
+    full_env = launch_env(env)
     cmd = [
         sys.executable,
         "-m",
@@ -116,15 +110,7 @@ def run_quantize(
     if not (full_env.get("MEGATRON_TEST_DEVICE") == "cuda" and torch.cuda.is_available()):
         cmd.append("--cpu")
     cmd += TINY_GPT + list(args)
-    proc = subprocess.run(
-        cmd,
-        cwd=workdir,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_captured(cmd, workdir, full_env, timeout)
     if check:
         assert proc.returncode == 0, (
             f"quantize.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
