@@ -15,7 +15,6 @@ Skipped, with the reason, only where SLURM cannot be installed or started here.
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 
 from megatron.training_ext import loss_log
 from tests.functional_tests import slurm_harness
-from tests.functional_tests.launch import FAULTS_ENTRY, REPO, device
+from tests.functional_tests.launch import FAULTS_ENTRY, REPO, device, run_captured
 from tests.helpers.dist import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -76,7 +75,7 @@ def _submit(slurm, work: Path, extra_env: dict, timeout: float = 1500) -> tuple[
         }
     )
     out = work / "job.out"
-    proc = subprocess.run(
+    proc = run_captured(
         [
             "sbatch",
             "--wait",
@@ -87,12 +86,9 @@ def _submit(slurm, work: Path, extra_env: dict, timeout: float = 1500) -> tuple[
             f"--output={out}",
             str(SBATCH),
         ],
-        cwd=work,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
+        work,
+        env,
+        timeout,
     )
     text = out.read_text(errors="replace") if out.exists() else ""
     return proc.returncode, f"{proc.stdout}\n{text}"
