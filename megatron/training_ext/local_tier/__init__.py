@@ -16,7 +16,6 @@ for the NaN window. Modules: ``manager`` (save, load), ``resolve`` (the collecti
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Optional
 
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
@@ -37,12 +36,11 @@ from megatron.training_ext.local_tier.common import (
     MARKER_NAME,
     QUARANTINE_DIR,
     _State,
+    logger,
 )
 from megatron.training_ext.local_tier.manager import ValidatedLocalCheckpointManager
 from megatron.training_ext.local_tier.markers import read_marker
 from megatron.training_ext.local_tier.nan_window import _wrap_train_step, _wrap_validate_result
-
-logger = logging.getLogger("megatron.training_ext.local_tier")
 
 __all__ = [
     "DEFAULT_NAN_WINDOW",
@@ -60,7 +58,6 @@ __all__ = [
 ]
 
 _PATCHER = Patcher("local_tier")
-_UP: dict[str, Any] = {}
 
 
 def __getattr__(name: str) -> Any:
@@ -168,14 +165,11 @@ def install(args: Any) -> None:
             "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
         ),
     ):
-        original = getattr(owner, name)
-        _UP[name] = original
-        _PATCHER.replace(owner, name, wrap(original), why)
+        _PATCHER.replace(owner, name, wrap(getattr(owner, name)), why)
     logger.info("local_tier: validated local checkpoint tier installed (NaN window %d)", window)
 
 
 def uninstall() -> None:
     """Undo :func:`install` (tests)."""
     _PATCHER.restore()
-    _UP.clear()
     common.STATE = None
