@@ -14,7 +14,7 @@ from typing import Iterable, Sequence, Tuple, Union
 
 import xxhash
 
-__all__ = ["ALGORITHM", "BLOCK_BYTES", "VERSION", "FileDigest", "hash_file"]
+__all__ = ["ALGORITHM", "BLOCK_BYTES", "VERSION", "FileDigest", "hash_file", "sha256_file"]
 
 ALGORITHM = "xxh3-64-blocks"
 VERSION = 1
@@ -82,7 +82,9 @@ def hash_file(path: Union[str, os.PathLike], block_bytes: int = BLOCK_BYTES) -> 
     return FileDigest(size=size, blocks=tuple(blocks), digest=_file_digest(size, blocks))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """SHA-256 hex digest of ``path`` (upstream's ``integrity.json`` algorithm), read in
+    :data:`BLOCK_BYTES` blocks. Raises ``OSError`` when the file cannot be read."""
     import hashlib
 
     h = hashlib.sha256()

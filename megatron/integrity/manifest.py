@@ -30,8 +30,8 @@ from megatron.integrity.file_digest import (
     BLOCK_BYTES,
     VERSION,
     FileDigest,
-    _sha256,
     hash_file,
+    sha256_file,
 )
 
 __all__ = [
@@ -227,7 +227,7 @@ def _check_one(checkpoint_dir: Path, name: str, manifest: dict) -> List[FileProb
     algo = manifest.get("algorithm", UPSTREAM_ALGORITHM)
     try:
         if algo == UPSTREAM_ALGORITHM:
-            got = _sha256(path)
+            got = sha256_file(path)
             want = manifest["files"][name]
             return (
                 []
