@@ -7,7 +7,11 @@ Takes upstream's full command line (``megatron.training.arguments``) plus this f
     torchrun --nproc-per-node 8 pretrain_gpt.py --data-path ... ...     # GPUs, as upstream
 
 The fixes (``megatron.fixes.apply()``) are installed before anything else touches upstream.
+Processes that ``multiprocessing`` spawns re-run this script as ``__mp_main__``; they skip its
+imports of upstream's training modules (see ``SPAWNED``).
 """
+
+from __future__ import annotations
 
 import sys
 
@@ -18,40 +22,48 @@ if __name__ == "__main__":  # not in processes that re-import __main__ (multipro
     megatron.fixes.apply()
     _CPU = fork_args.prepare_cpu_backend(sys.argv)  # activates megatron.cpu and adds its flags
 
-from functools import partial  # noqa: E402
+SPAWNED = __name__ == "__mp_main__"
+"""True in a process that ``multiprocessing`` spawned from a run of this script: it re-runs the
+script under this name before it unpickles its task, and needs none of the training modules.
+Every rank spawns one at its first ``torch_dist`` save: the ``Manager`` of megatron-core's
+``filesystem_async.get_write_results_queue``. Skipping the imports there saves each rank seconds
+of CPU and the memory of a second copy of upstream's modules (README, "Performance")."""
 
-import torch  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
-    BlendedMegatronDatasetBuilder,
-)
-from megatron.core.datasets.gpt_dataset import (  # noqa: E402
-    GPTDataset,
-    GPTDatasetConfig,
-    MockGPTDataset,
-)
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
-from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
-from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank  # noqa: E402
-from megatron.core.utils import (  # noqa: E402
-    get_attr_wrapped_model,
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
-)
-from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
-from megatron.training.argument_utils import (  # noqa: E402
-    gpt_config_from_args,
-    pretrain_cfg_container_from_args,
-)
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.utils.common_utils import (  # noqa: E402
-    get_blend_and_blend_per_split,
-    is_first_or_last_pipeline_stage,
-)
+if not SPAWNED:
+    from functools import partial
 
-from megatron.training_ext import data_checks  # noqa: E402
-from megatron.training_ext.shutdown import run_then_destroy_process_groups  # noqa: E402
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import (
+        GPTDataset,
+        GPTDatasetConfig,
+        MockGPTDataset,
+    )
+    from megatron.core.enums import ModelType
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+    from megatron.core.utils import (
+        get_attr_wrapped_model,
+        get_batch_on_this_cp_rank,
+        get_batch_on_this_tp_rank,
+    )
+    from megatron.training import get_args, get_timers, pretrain, print_rank_0
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.utils.common_utils import (
+        get_blend_and_blend_per_split,
+        is_first_or_last_pipeline_stage,
+    )
+
+    from megatron.training_ext import data_checks
+    from megatron.training_ext.shutdown import run_then_destroy_process_groups
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 

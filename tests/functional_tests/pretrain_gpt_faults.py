@@ -28,9 +28,11 @@ if __name__ == "__main__":  # not in processes that re-import __main__ (multipro
     megatron.fixes.apply()
     fork_args.prepare_cpu_backend(sys.argv)  # activates megatron.cpu and adds its flags
 
-import pretrain_gpt  # noqa: E402  (imports upstream's training modules)
 from megatron.fixes.registry import Patcher, wraps_upstream  # noqa: E402
-from tests.functional_tests import fault_injection  # noqa: E402
+
+if __name__ != "__mp_main__":  # as pretrain_gpt.SPAWNED: spawned processes need none of these
+    import pretrain_gpt  # (imports upstream's training modules)
+    from tests.functional_tests import fault_injection
 
 _PATCHER = Patcher("fault_injection")
 
