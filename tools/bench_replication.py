@@ -32,7 +32,8 @@ Variants:
 
 ``--device cuda``: ranks on separate GPUs over NCCL (``--world`` capped at the GPU count; with one
 GPU a one-rank NCCL group: the device-side hashing and host-copy path of ``replicate`` within one
-process); the quantized variant is left out (its test double dequantizes on the CPU).
+process); the quantized variant (its test double dequantizes on the CPU) and pack/1024 (a host
+copy) are left out.
 
 Before the replicate table, a hash throughput table (median of interleaved repetitions): every
 checksum candidate on chunks of several sizes (cache-sized and larger than the last-level cache)
