@@ -1,9 +1,20 @@
 """Hardware lanes: ``gpu`` tests need one CUDA device and are skipped without; ``cluster`` tests
-need Transformer Engine and/or several GPUs and run only with ``MEGATRON_CLUSTER_TESTS=1``."""
+need Transformer Engine and/or several GPUs and run only with ``MEGATRON_CLUSTER_TESTS=1``.
 
+The launch budget: the session fails when it started more real launcher processes (``torchrun``,
+``ft_launcher``, launch scripts; counted by ``tests/functional_tests/launch.py``) than
+:data:`REAL_LAUNCH_BUDGET`. A new functional test launches through the forked launcher
+(``run_pretrain``'s default on CPU), or raises the budget with its reason in ``tests/README.md``.
+"""
+
+import collections
 import os
+import sys
 
 import pytest
+
+#: Real launcher processes the default lane may start (tests/README.md lists who uses them and why).
+REAL_LAUNCH_BUDGET = 40
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,3 +32,40 @@ def pytest_collection_modifyitems(config, items):
                     "set MEGATRON_CLUSTER_TESTS=1 there"
                 )
             )
+
+
+def _launch_counts():
+    launch = sys.modules.get("tests.functional_tests.launch")
+    if launch is None:
+        return None
+    return launch.REAL_LAUNCHES, launch.FORKED_LAUNCHES
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    counts = _launch_counts()
+    if counts is None:
+        return
+    real, forked = counts
+    per_file = collections.defaultdict(lambda: [0, 0])
+    for test, _ in real:
+        per_file[test.split("::")[0]][0] += 1
+    for test in forked:
+        per_file[test.split("::")[0]][1] += 1
+    tr = terminalreporter
+    tr.section("launches (real launcher / forked)")
+    for path in sorted(per_file):
+        tr.write_line(f"{path}: {per_file[path][0]} / {per_file[path][1]}")
+    tr.write_line(f"total: {len(real)} real (budget {REAL_LAUNCH_BUDGET}) / {len(forked)} forked")
+    if len(real) > REAL_LAUNCH_BUDGET:
+        tr.write_line(
+            f"FAILED: {len(real)} real launches exceed the budget of {REAL_LAUNCH_BUDGET} "
+            "(tests/conftest.py): launch through the forked launcher, or raise the budget with "
+            "its reason in tests/README.md",
+            red=True,
+        )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    counts = _launch_counts()
+    if counts is not None and len(counts[0]) > REAL_LAUNCH_BUDGET and exitstatus == 0:
+        session.exitstatus = 1

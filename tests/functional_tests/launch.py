@@ -1,9 +1,15 @@
-"""Launch the real entrypoint (``pretrain_gpt.py``) under torchrun for functional tests.
+"""Launch the real entrypoint (``pretrain_gpt.py``) for functional tests.
 
 CPU (``--cpu``, gloo) by default; on a machine with CUDA and ``MEGATRON_TEST_DEVICE=cuda`` the same
 commands run on the GPU(s) without ``--cpu``. Runs that inject faults (``MEGATRON_TEST_*``
 variables, :mod:`tests.functional_tests.fault_injection`) launch ``entry=FAULTS_ENTRY``, the
 test entrypoint that is ``pretrain_gpt.py`` plus the fault hooks.
+
+Two launchers (``launcher=``): ``"forked"`` (:mod:`tests.helpers.fastlaunch`: the ranks are forked
+from a server that imported upstream once; the default on CPU) and ``"torchrun"`` (a real
+``torchrun``, for tests whose subject is the launcher; the default on CUDA, and everywhere with
+``MEGATRON_TEST_LAUNCHER=torchrun``). Every real launcher process is counted
+(:data:`REAL_LAUNCHES`; the suite's budget is in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.training_ext import loss_log
+from tests.helpers import fastlaunch
 from tests.helpers.dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +38,45 @@ TINY_GPT = (
     "--global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --eval-interval 1000 "
     "--train-iters 20 --seed 1234"
 ).split()
+
+
+#: ``torchrun`` here: every run goes through a real ``torchrun`` (the fast launcher's control).
+LAUNCHER_ENV = "MEGATRON_TEST_LAUNCHER"
+#: ``(test, command)`` of every real launcher process (``torchrun``, ``ft_launcher``, a launch
+#: script) this test session started: the suite fails past its budget (``tests/conftest.py``).
+REAL_LAUNCHES: list[tuple[str, str]] = []
+#: ``test`` of every forked launch (:mod:`tests.helpers.fastlaunch`) this test session made.
+FORKED_LAUNCHES: list[str] = []
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+
+
+def count_real_launch(cmd: list[str]) -> None:
+    """Record ``cmd`` in :data:`REAL_LAUNCHES` if it starts a launcher (``torchrun``,
+    ``python -m torch.distributed.run``, ``ft_launcher``, a ``.sh`` launch script; a ``bash -c``
+    block counts each ``torchrun``/``ft_launcher`` it names)."""
+    if len(cmd) >= 2 and os.path.basename(str(cmd[0])) == "bash" and "-c" in cmd[:-1]:
+        script = str(cmd[-1])  # a shell block (the README's): one entry per launcher it runs
+        for n in range(script.count("torchrun ") + script.count("ft_launcher ")):
+            REAL_LAUNCHES.append((_current_test(), f"bash -c <block> launch {n + 1}"))
+        return
+    names = [os.path.basename(str(c)) for c in cmd[:4]]
+    if (
+        "torch.distributed.run" in names
+        or "torchrun" in names
+        or "ft_launcher" in names
+        or any(n.endswith(".sh") for n in names)
+    ):
+        REAL_LAUNCHES.append((_current_test(), " ".join(map(str, cmd[:6]))))
+
+
+def default_launcher(env: dict | None = None) -> str:
+    """``"forked"`` on CPU, ``"torchrun"`` on CUDA or when ``$MEGATRON_TEST_LAUNCHER=torchrun``."""
+    if os.environ.get(LAUNCHER_ENV) == "torchrun" or device(env) != "cpu":
+        return "torchrun"
+    return "forked"
 
 
 def device(env: dict | None = None) -> str:
@@ -64,9 +110,11 @@ def run_pretrain(
     env: dict | None = None,
     check: bool = True,
     entry: Path = ENTRY,
+    launcher: str | None = None,
 ) -> Run:
     """Run ``torchrun --nproc-per-node N ENTRY [--cpu] TINY_GPT ARGS --loss-log FILE`` (``entry``:
-    ``pretrain_gpt.py``, or :data:`FAULTS_ENTRY` for runs with fault injection).
+    ``pretrain_gpt.py``, or :data:`FAULTS_ENTRY` for runs with fault injection), through
+    ``launcher`` (``"forked"`` or ``"torchrun"``; default :func:`default_launcher`).
 
     Returns the exit code, the combined output and the losses this run logged (iteration -> record).
     Raises AssertionError (with the output tail) when ``check`` and the run failed.
@@ -75,14 +123,27 @@ def run_pretrain(
     log = workdir / loss_file
     if log.exists():
         log.unlink()
-    cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log, entry=entry)
-    proc = run_captured(cmd, workdir, launch_env(env), timeout)
-    losses = loss_log.read(str(log)) if log.exists() else {}
-    result = Run(proc.returncode, proc.stdout, losses)
-    if check:
-        assert proc.returncode == 0, (
-            f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+    if (launcher or default_launcher(env)) == "forked":
+        out_path = workdir / (Path(loss_file).stem + ".out")
+        FORKED_LAUNCHES.append(_current_test())
+        returncode = fastlaunch.run(
+            entry,
+            entry_args(args, mock=mock, env=env, log=log),
+            nproc,
+            workdir,
+            launch_env(env),
+            out_path,
+            timeout,
         )
+        output = out_path.read_text(errors="replace")
+    else:
+        cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log, entry=entry)
+        proc = run_captured(cmd, workdir, launch_env(env), timeout)
+        returncode, output = proc.returncode, proc.stdout
+    losses = loss_log.read(str(log)) if log.exists() else {}
+    result = Run(returncode, output, losses)
+    if check:
+        assert returncode == 0, f"pretrain_gpt.py failed ({returncode}):\n{output[-6000:]}"
     return result
 
 
@@ -191,8 +252,8 @@ def pretrain_command(
     log: Path | None = None,
     entry: Path = ENTRY,
 ) -> list[str]:
-    """The command :func:`run_pretrain` runs (``launcher`` defaults to ``python -m
-    torch.distributed.run --nproc-per-node N --master-port <free>``), ``--loss-log log`` last."""
+    """The command :func:`run_pretrain` runs through torchrun (``launcher`` defaults to ``python
+    -m torch.distributed.run --nproc-per-node N --master-port <free>``), ``--loss-log log`` last."""
     cmd = (
         list(launcher)
         if launcher is not None
@@ -205,6 +266,14 @@ def pretrain_command(
         ]
     )
     cmd.append(str(entry))
+    return cmd + entry_args(args, mock=mock, env=env, log=log)
+
+
+def entry_args(args, mock: bool = True, env: dict | None = None, log: Path | None = None):
+    """The entrypoint's arguments in :func:`pretrain_command`: ``[--cpu] TINY_GPT [--mock-data]
+    ARGS [--loss-log log]`` (on CUDA without Transformer Engine ``--transformer-impl local``
+    instead of ``--cpu``)."""
+    cmd = []
     if device(env) == "cpu":
         cmd.append("--cpu")
     else:
@@ -239,6 +308,7 @@ def run_captured(
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in ``workdir`` to completion; stdout and stderr together in ``.stdout`` (text).
     Raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+    count_real_launch(cmd)
     return subprocess.run(
         cmd,
         cwd=workdir,
@@ -267,9 +337,10 @@ def run_pretrain_reaped(
     env: dict | None = None,
     check: bool = True,
     entry: Path = ENTRY,
+    launcher: str | None = None,
 ) -> ReapedRun:
     """:func:`run_pretrain` for runs in which a rank may be killed: output goes to a file
-    (``<loss_file stem>.out`` in ``workdir``) and the call returns when ``torchrun`` exits, then
+    (``<loss_file stem>.out`` in ``workdir``) and the call returns when the launcher exits, then
     ends whatever the run left running (see :data:`TAG_ENV`); they are listed in ``leftovers``."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / loss_file
@@ -277,7 +348,34 @@ def run_pretrain_reaped(
         log.unlink()
     out_path = workdir / (Path(loss_file).stem + ".out")
     tag = f"{os.getpid()}-{time.time_ns()}"
+    if (launcher or default_launcher(env)) == "forked":
+        FORKED_LAUNCHES.append(_current_test())
+        started = fastlaunch.launch(
+            entry,
+            entry_args(args, mock=mock, env=env, log=log),
+            nproc,
+            workdir,
+            launch_env(env, tag),
+            out_path,
+        )
+        try:
+            codes = started.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tagged(tag)
+            raise AssertionError(
+                f"pretrain_gpt.py did not finish within {timeout:.0f} s:\n"
+                f"{out_path.read_text(errors='replace')[-6000:]}"
+            ) from None
+        returncode = 0 if all(c == 0 for c in codes) else 1
+        leftovers = kill_tagged(tag)
+        output = out_path.read_text(errors="replace")
+        losses = loss_log.read(str(log)) if log.exists() else {}
+        result = ReapedRun(returncode, output, losses, leftovers)
+        if check:
+            assert returncode == 0, f"pretrain_gpt.py failed ({returncode}):\n{output[-6000:]}"
+        return result
     cmd = pretrain_command(args, nproc=nproc, mock=mock, env=env, log=log, entry=entry)
+    count_real_launch(cmd)
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
             cmd,
@@ -416,6 +514,7 @@ def start_node(
         [*args, *script_args], mock=mock, env=env, launcher=cmd, log=loss_file, entry=entry
     )
     tag = f"{os.getpid()}-{time.time_ns()}-node{node_rank}"
+    count_real_launch(cmd)
     full_env = launch_env(env, tag)
     # torchrun sets OMP_NUM_THREADS=1 only with --nproc-per-node > 1: with one worker per node it
     # would use every core, and its multithreaded reductions (the grad norm) differ in the last bit

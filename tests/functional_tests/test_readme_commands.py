@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional_tests.launch import REPO, printed_losses
+from tests.functional_tests.launch import REPO, count_real_launch, printed_losses
 
 MARKER = re.compile(r"^<!-- runnable: ([\w-]+) -->$")
 QUICK = {"cpu-train"}
@@ -147,6 +147,7 @@ def test_runnable_block(tmp_path, name, text):
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("PYTHONPATH", None)  # as a user's shell: the project is installed in the venv
+    count_real_launch(["bash", "-euo", "pipefail", "-c", text])
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", text],
         cwd=clone,
