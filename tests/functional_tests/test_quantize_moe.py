@@ -35,11 +35,13 @@ from tests.functional_tests.launch import (
     TINY_GPT,
     Run,
     assert_bitwise_equal,
+    default_launcher,
     device,
     launch_env,
     run_captured,
     run_pretrain,
 )
+from tests.helpers import fastlaunch
 from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
@@ -96,7 +98,8 @@ def run_quantize(
 ) -> Run:
     """``torchrun --nproc-per-node N tools/quantize.py [--cpu] TINY_GPT ARGS`` in ``workdir``
     (``--cpu`` unless ``env`` asks for ``MEGATRON_TEST_DEVICE=cuda`` and CUDA is present, as
-    ``launch.run_pretrain``)."""
+    ``launch.run_pretrain``); on CPU the same ranks forked by ``tests.helpers.fastlaunch``, as
+    ``launch.run_pretrain``."""
     workdir.mkdir(parents=True, exist_ok=True)
     full_env = launch_env(env)
     cmd = [
@@ -110,12 +113,16 @@ def run_quantize(
     if not (full_env.get("MEGATRON_TEST_DEVICE") == "cuda" and torch.cuda.is_available()):
         cmd.append("--cpu")
     cmd += TINY_GPT + list(args)
-    proc = run_captured(cmd, workdir, full_env, timeout)
+    if default_launcher(env) == "forked":  # the ranks forked from the preloaded server
+        out = workdir / "quantize.out"
+        returncode = fastlaunch.run(QUANTIZE, cmd[6:], nproc, workdir, full_env, out, timeout)
+        output = out.read_text(errors="replace")
+    else:
+        proc = run_captured(cmd, workdir, full_env, timeout)
+        returncode, output = proc.returncode, proc.stdout
     if check:
-        assert proc.returncode == 0, (
-            f"quantize.py failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
-        )
-    return Run(proc.returncode, proc.stdout, {})
+        assert returncode == 0, f"quantize.py failed ({returncode}):\n{output[-6000:]}"
+    return Run(returncode, output, {})
 
 
 def read_amax(ckpt_dir: Path) -> dict[str, torch.Tensor]:

@@ -15,17 +15,28 @@ handlers (so multiprocessing still reaps the rank's children; no barrier: a guar
 scenario may leave a peer inside a collective that fails only once this process ends): gloo's
 threads can otherwise abort the process during interpreter finalization (``terminate called
 without an active exception``, exit code -6), which is torch's teardown, not the body's result.
+
+The processes come from ``multiprocessing``'s forkserver, started once per test session with torch
+and megatron-core imported (:data:`FORKSERVER_PRELOAD`): a rank no longer pays those imports.
+Each rank gets the caller's environment as it was at the call (the forkserver's own is older) and
+torch's default number of threads (the forkserver runs single-threaded: ``OMP_NUM_THREADS=1``).
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing.forkserver
 import os
 import socket
 import sys
 import traceback
 
 import torch.multiprocessing as mp
+
+#: Imported once by the forkserver; each rank starts with them in place.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
+#: Threads of OpenMP and OpenBLAS in the forkserver: 1, so it forks with no thread pool alive.
+_SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -35,9 +46,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, port, env, fn, args, errors):
+    import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" not in env:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -68,11 +84,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
     Raises:
         AssertionError: with the first failing rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     errors = ctx.SimpleQueue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+        ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, errors))
         for r in range(world_size)
     ]
     for p in procs:
@@ -87,3 +104,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     assert not bad, f"processes exited abnormally (rank, exitcode): {bad}"
+
+
+def _context():
+    """The forkserver context, its server started (single-threaded, :data:`FORKSERVER_PRELOAD`
+    imported) on first use."""
+    ctx = mp.get_context("forkserver")
+    if multiprocessing.forkserver._forkserver._forkserver_pid is None:
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        saved = {k: os.environ.get(k) for k in _SINGLE_THREADED}
+        os.environ.update(_SINGLE_THREADED)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return ctx
