@@ -60,6 +60,9 @@ for r in 0 1; do
 done
 grep -q "^\[local-tier\] rank 1: .*repaired from rank 0's replica" part2.log \
   || fail "recovery (rank 1 was not repaired from rank 0's replica)" part2.log
+line=$(grep -m1 "^\[resume-proof\] iteration 12: .* equal to the saved state" part2.log || true)
+[ -n "$line" ] || fail "resume proof (the state loaded at iteration 12 is not proven equal to the saved one)" part2.log
+step proven "${line#\[resume-proof\] }"
 step trained "$(losses 13 20); local checkpoint 16 on both ranks, persistent checkpoint 20"
 "$py" "$repo/tools/verify_checkpoint.py" --local-dir local --json verify.json --no-progress > verify.log 2>&1 \
   || fail "verification" verify.log

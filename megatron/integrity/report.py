@@ -73,6 +73,7 @@ WARNING_KINDS: Dict[str, str] = {
     "no_manifest": (
         "the persistent checkpoint has no integrity.json (saved without --verify-integrity)"
     ),
+    "state_digest": "the persistent checkpoint's state_digest.json is unreadable",
     "dirty_file": "an unfinished local save (*.dirty.pt) is present",
     "rejected_file": (
         "a local file quarantined by the training run's local tier (<rank>/rejected/) is present"
@@ -259,7 +260,11 @@ class VerifyReport:
         warnings: findings that do not.
         manifest: result of megatron-core's ``integrity.json`` verification (``None`` if not
             run): ``{"present": bool, "verified": bool | None, "files": int,
-            "failed_files": [name, ...]}``.
+            "failed_files": [name, ...], "algorithm": str | None}``.
+        state_digest: the persistent checkpoint's ``state_digest.json`` (the resume proof's
+            record, :mod:`megatron.integrity.state_digest`): ``{"present": bool, "tensors": int,
+            "iteration": int | None}``, ``None`` without a persistent checkpoint. Its values are
+            recomputed from the files by ``tools/check_state_digest.py``.
         timing: ``wall_s`` (seconds inside :func:`~megatron.integrity.verify.verify_checkpoint`,
             without interpreter start-up), ``workers`` (processes), ``bytes_read`` (file bytes the
             checks read, persistent chunks counted once per local copy compared with them),
@@ -279,6 +284,7 @@ class VerifyReport:
     problems: List[Problem] = field(default_factory=list)
     warnings: List[Problem] = field(default_factory=list)
     manifest: Optional[Dict[str, Any]] = None
+    state_digest: Optional[Dict[str, Any]] = None
     timing: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -461,6 +467,7 @@ class VerifyReport:
             "warnings": [p.to_dict() for p in self.warnings],
             "files": [f.to_dict() for f in self.files],
             "manifest": self.manifest,
+            "state_digest": self.state_digest,
         }
         if include_timing:
             d["timing"] = dict(self.timing)
@@ -529,7 +536,19 @@ class VerifyReport:
                 if m.get("verified") is False
                 else "skipped"
             )
-            rows.append(("integrity.json (SHA-256)", f"{state}, {m.get('files', 0)} files"))
+            algorithm = {"sha256": "SHA-256"}.get(m.get("algorithm") or "", m.get("algorithm"))
+            name = f"integrity.json ({algorithm})" if algorithm else "integrity.json"
+            rows.append((name, f"{state}, {m.get('files', 0)} files"))
+        if self.state_digest is not None:
+            g = self.state_digest
+            rows.append(
+                (
+                    "state_digest.json",
+                    f"present, {g.get('tensors', 0)} tensors (values: tools/check_state_digest.py)"
+                    if g.get("present")
+                    else "absent (saved without a state digest: its resumes are not proven)",
+                )
+            )
         rows.append(("problems", f"{s['problems']} {s['problems_by_kind'] or ''}".strip()))
         rows.append(("warnings", f"{s['warnings']} {s['warnings_by_kind'] or ''}".strip()))
         if self.timing:

@@ -188,6 +188,17 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "fails. File sizes are checked at load either way. Upstream's "
         "--verify-integrity additionally requires integrity.json at load.",
     )
+    # Resume proof (megatron/training_ext/resume_proof.py).
+    group.add_argument(
+        "--resume-proof",
+        choices=("error", "warn", "off"),
+        default="error",
+        help="Every save records a digest of the training state (model, optimizer "
+        "state in model space, iteration, consumed samples, scheduler, RNG) in "
+        "state_digest.json; every load recomputes it under the new topology "
+        "before training. error (default): a load whose state differs stops "
+        "every rank naming the tensors; warn: continue, loudly; off: neither.",
+    )
     group.add_argument(
         "--overwrite-save",
         action="store_true",
@@ -298,6 +309,9 @@ def install_training_hooks(args: argparse.Namespace) -> None:
     from megatron.training_ext import persistent_tier
 
     persistent_tier.install(args)
+    from megatron.training_ext import resume_proof
+
+    resume_proof.install(args)  # after the persistent tier: its load proof wraps the fallbacks
     if args.loss_log:
         from megatron.training_ext import loss_log
 

@@ -211,6 +211,9 @@ def _wrap_save(orig):
         ba.arguments["verify_integrity"] = False
         _VERIFIED.pop(os.path.realpath(str(ba.arguments["checkpoint_dir"])), None)  # rewritten now
         request = orig(*ba.args, **ba.kwargs)
+        from megatron.training_ext import resume_proof
+
+        resume_proof.write_pending(ba.arguments["checkpoint_dir"])  # before the manifest
         if not write:
             return request
         finalize = functools.partial(mf.save_manifest, str(ba.arguments["checkpoint_dir"]))

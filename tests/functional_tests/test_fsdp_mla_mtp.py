@@ -147,11 +147,18 @@ def train_straight(work: Path, model: list, iterations: int = 4, **kw) -> dict:
     return run.losses
 
 
-def resave_from_other_seed(work: Path, tmp_path: Path, model: list, **kw) -> tuple[dict, dict]:
+#: The resume proof's finding at TP 2 (open): the files hold every TP rank's RNG states, but the
+#: load gives TP rank 1 the torch CPU stream of TP rank 0 (docs/resume-proof.md, "Findings").
+TP2_RNG_FINDING = "RNG state of rank(s) 1 (torch); 3 (torch)"
+
+
+def resave_from_other_seed(
+    work: Path, tmp_path: Path, model: list, proof: tuple = (), **kw
+) -> tuple[dict, dict]:
     """Load ``work``'s iteration-2 checkpoint into a model started from another seed and save it
     again without training; returns (what was loaded, what was re-saved) as full tensors."""
     load = _checkpoint_at(work / "ckpt", 2, tmp_path / "load")
-    run_pretrain(
+    run = run_pretrain(
         tmp_path,
         *model,
         *OTHER_SEED,
@@ -161,8 +168,13 @@ def resave_from_other_seed(work: Path, tmp_path: Path, model: list, **kw) -> tup
         "--save",
         str(tmp_path / "resaved"),
         "--use-checkpoint-opt-param-scheduler",
+        *proof,
         **kw,
     )
+    if proof:
+        assert TP2_RNG_FINDING in run.output, run.output[-3000:]
+    else:
+        assert "tensors and the scalar state equal to the saved state" in run.output
     return (
         read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path),
         read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path),
@@ -197,7 +209,9 @@ def test_tp2_reload_from_other_seed_restores_every_entry_bitwise(tmp_path):
     split; FSDP shards each TP rank's part unevenly)."""
     model = MODEL + ["--tensor-model-parallel-size", "2"]
     train_straight(tmp_path / "straight", model, iterations=2, nproc=4, env=ENV)
-    want, got = resave_from_other_seed(tmp_path / "straight", tmp_path, model, nproc=4, env=ENV)
+    want, got = resave_from_other_seed(
+        tmp_path / "straight", tmp_path, model, ("--resume-proof", "warn"), nproc=4, env=ENV
+    )
     assert_unfused_layout(want)
     assert_checkpoints_bitwise(want, got)
 

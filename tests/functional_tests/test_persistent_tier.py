@@ -130,7 +130,9 @@ def test_flipped_byte_falls_back_to_previous_checkpoint_bitwise(
         run.output,
     ), run.output[-3000:]
     assert "falling back to the previous complete checkpoint, iter_0000005" in run.output
-    assert "[persistent-tier] iter_0000005: verified 4 files" in run.output
+    # .metadata, metadata.json, __0_0.distcp, __1_0.distcp and the resume proof's
+    # state_digest.json: the manifest covers every file but itself
+    assert "[persistent-tier] iter_0000005: verified 5 files" in run.output
     assert run.first_iteration() == 6
     assert_bitwise_equal(straight_16_exit_14, run.losses, range(6, 15))
     man = mf.read_manifest(ckpt / "iter_0000010")  # saved again at 10 by this run: intact

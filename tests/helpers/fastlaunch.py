@@ -96,6 +96,12 @@ def _preload(cpu: bool) -> None:
 
     import pretrain_gpt  # noqa: F401
 
+    # The resume proof's CPU kernel (numba): imported and compiled for every element width once
+    # here instead of in every rank at its first checkpoint save or load.
+    from megatron.integrity import state_digest
+
+    state_digest.warm_up()
+
 
 def _captured_preload(cpu: bool) -> tuple[bytes, bytes]:
     """Run :func:`_preload` with fds 1 and 2 captured; returns what it printed to each (every rank

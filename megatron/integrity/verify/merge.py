@@ -5,7 +5,7 @@ the local files, leftover warnings, and a suspect for each value mismatch."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.integrity.persistent import INTEGRITY_FNAME, PersistentCheckpoint, check_chunk_cover
 from megatron.integrity.report import Problem, VerifyReport
@@ -60,6 +60,24 @@ def _leftover_warnings(report: VerifyReport, layout: LocalLayout) -> None:
         )
 
 
+def _state_digest(report: VerifyReport, pc: PersistentCheckpoint) -> Dict[str, Any]:
+    """Whether the persistent checkpoint carries the resume proof's ``state_digest.json``."""
+    from megatron.integrity import state_digest
+
+    try:
+        record = state_digest.read_digest(pc.path)
+    except ValueError as e:
+        report.warnings.append(Problem("state_digest", str(e), role="persistent"))
+        return {"present": False, "tensors": 0, "iteration": None}
+    if record is None:
+        return {"present": False, "tensors": 0, "iteration": None}
+    return {
+        "present": True,
+        "tensors": len(record.get("tensors", {})),
+        "iteration": record.get("iteration"),
+    }
+
+
 def _manifest_verdict(
     report: VerifyReport, parts: List[Findings], pc: PersistentCheckpoint, manifest: Optional[dict]
 ) -> None:
@@ -81,6 +99,7 @@ def _manifest_verdict(
         "verified": not failed,
         "files": len(manifest.get("files", {})),
         "failed_files": [n for n, _ in failed],
+        "algorithm": manifest.get("algorithm", "sha256"),
     }
     for n, why in failed:
         report.problems.append(
@@ -185,6 +204,7 @@ def merge(parts: List[Findings], plan: Plan, verify_manifest: bool) -> VerifyRep
         _leftover_warnings(report, layout)
     if pc is not None:
         report.problems += pc.check_metadata()
+        report.state_digest = _state_digest(report, pc)
         if verify_manifest:
             _manifest_verdict(report, parts, pc, plan.manifest)
     if layout is not None and plan.copies:

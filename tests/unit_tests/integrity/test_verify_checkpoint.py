@@ -293,7 +293,17 @@ def test_persistent_alone_clean(ckpt):
     assert s["bytes_scanned"] == sum(
         m.size.numel() * m.properties.dtype.itemsize for m in pc.tensors.values()
     )
-    assert rep.manifest == {"present": True, "verified": True, "files": 4, "failed_files": []}
+    assert rep.manifest == {
+        "present": True,
+        "verified": True,
+        "files": 5,  # .metadata, metadata.json, 2 .distcp, the resume proof's state_digest.json
+        "failed_files": [],
+        "algorithm": "xxh3-64-blocks",
+    }
+    digest = json.loads((ckpt / "ckpt" / "iter_0000010" / "state_digest.json").read_text())
+    assert rep.state_digest == {"present": True, "tensors": len(digest["tensors"]), "iteration": 10}
+    text = rep.format_text()
+    assert "integrity.json (xxh3-64-blocks)" in text and "state_digest.json" in text
 
 
 def test_persistent_truncated_shard_is_detected(ckpt, tmp_path):
