@@ -27,6 +27,7 @@ FIX_MODULES = (
     "megatron.fixes.fsdp_dtensor",
     "megatron.fixes.distopt_resume",
     "megatron.fixes.distopt_reshard",
+    "megatron.fixes.distopt_bucket_offsets",
     "megatron.fixes.training_log",
     "megatron.fixes.help_text",
     "megatron.fixes.pretrained_redirect",
