@@ -41,7 +41,7 @@ RESUMED = range(9, 17)
 UNFIXED = {"MEGATRON_FIXES_DISABLE": "distopt_bucket_offsets"}
 WARNING = "param range exceeds unpadded buffer"
 #: The prefix of the resume proof's refusal of a load that differs from what was saved.
-RESUME_PROOF = "[resume-proof]"
+REFUSED = "[resume-proof] iteration 8: the state loaded from persistent torch_dist"
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +107,11 @@ def test_unfixed_upstream_resume_differs(straight, tmp_path):
     assert sorted(first.losses) == list(range(1, 9))
     assert_bitwise_equal(straight.losses, first.losses, range(1, 9))
     assert WARNING in first.output, first.output[-4000:]
+    # The resume proof compares the loaded state with the digest taken at the save and refuses,
+    # naming the optimizer state the unfixed writer shifted: the defect, caught before training.
     resumed = _resume(tmp_path / "ckpt", tmp_path, env=UNFIXED, check=False)
-    if resumed.returncode != 0:
-        # The resume proof (megatron.training_ext.resume_proof, where present) compares the loaded
-        # state with the digest taken at the save and refuses: the defect, caught before training.
-        assert RESUME_PROOF in resumed.output and "optimizer state" in resumed.output, (
-            resumed.output[-4000:]
-        )
-        assert resumed.losses == {}
-        return
-    assert resumed.first_iteration() == 9 and sorted(resumed.losses) == list(RESUMED)
-    _report("unfixed", straight.losses, resumed.losses)
-    assert _first_difference(straight.losses, resumed.losses) is not None
+    assert resumed.returncode != 0 and resumed.losses == {}, resumed.output[-4000:]
+    refusal = [x for x in resumed.output.splitlines() if REFUSED in x]
+    assert refusal and "optimizer state (optimizer.state." in refusal[0], resumed.output[-4000:]
+    # (with --resume-proof warn it trains, and iteration 9 already differs: 5.830432 vs 5.623096,
+    # docs/fixes/distopt_bucket_offsets.md)

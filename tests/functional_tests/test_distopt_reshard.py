@@ -121,6 +121,12 @@ def test_fully_reshardable_resume_on_fewer_ranks_follows_the_run(straight, tmp_p
     of a changed reduction order; iteration 11 (a forward pass of the loaded weights) bitwise."""
     resumed = _resume(straight, tmp_path, nproc=1)
     assert resumed.first_iteration() == 11 and sorted(resumed.losses) == list(RESUMED)
+    # the resume proof: the DP 1 state equals the DP 2 state that was saved (RNG: another layout)
+    assert re.search(
+        r"\[resume-proof\] iteration 10: \d+ tensors and the scalar state equal to the saved state"
+        r".*not compared: RNG states \(another parallel layout\)",
+        resumed.output,
+    ), resumed.output[-3000:]
     rtol = DP_CHANGE_RTOL[straight.precision]
     rel = {
         i: abs(
@@ -218,6 +224,10 @@ def test_tp2_checkpoint_loads_at_tp1_dp2_with_every_value_in_place(tp2, tmp_path
         "1000",
     )
     assert run.losses == {}
+    assert re.search(  # proven at TP 1 against the digest taken at TP 2
+        r"\[resume-proof\] iteration 10: \d+ tensors and the scalar state equal to the saved state",
+        run.output,
+    ), run.output[-3000:]
     before, after = (
         _saved(tp2 / "fully" / "iter_0000010"),
         _saved(tmp_path / "tp1" / "iter_0000010"),

@@ -143,6 +143,9 @@ def test_foreign_and_corrupt_primaries_are_repaired_from_replicas(
     assert "written by another run" in l1 and "seed 999 (checkpoint) vs 1234 (this run)" in l1, l1
     assert run.first_iteration() == 13
     assert_bitwise_equal(straight, run.losses, range(13, 15))
+    # the resume proof: the repaired state equals the state the first run saved
+    assert "[resume-proof] iteration 12: " in run.output
+    assert "tensors and the scalar state equal to the saved state (local tier" in run.output
     # the bad primaries were set aside; the save at 14 replicated everything again
     for rank in (0, 1):
         d = work / "local" / str(rank)

@@ -129,6 +129,7 @@ def test_cli_lists_fixes():
         "fsdp_dtensor",
         "distopt_resume",
         "distopt_reshard",
+        "distopt_bucket_offsets",
         "training_log",
         "help_text",
         "pretrained_redirect",

@@ -12,8 +12,9 @@ from collections import defaultdict
 import pytest
 
 #: target -> owners, innermost (applied first) to outermost. The persistent tier is outermost on
-#: the load path, so its verification and fallback see the fixed loaders; the loss log is outside
-#: training_log's fix, so it records the values the fixed function is called with.
+#: the load path among the tiers, so its verification and fallback see the fixed loaders, and the
+#: resume proof is outside it, so it proves what the fallback finally loaded; the loss log is
+#: outside training_log's fix, so it records the values the fixed function is called with.
 DECLARED_STACKS = {
     "megatron.core.dist_checkpointing.serialization.load": [
         "modelopt_moe.legacy_layout",
@@ -24,18 +25,27 @@ DECLARED_STACKS = {
         "rng_state_ep",
         "persistent_tier",
     ],
-    "megatron.training.checkpointing.generate_state_dict": ["modelopt_state", "rng_state_ep"],
+    "megatron.training.checkpointing.generate_state_dict": [
+        "modelopt_state",
+        "rng_state_ep",
+        "resume_proof",
+    ],
+    "megatron.training.checkpointing.save_checkpoint": ["modelopt_state", "resume_proof"],
+    "megatron.training.training.save_checkpoint": ["modelopt_state", "resume_proof"],
+    "megatron.training.checkpointing._load_base_checkpoint": ["modelopt_state", "resume_proof"],
     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
     "._set_main_param_and_optimizer_states": ["distopt_resume", "distopt_reshard"],
     "megatron.training.checkpointing.load_checkpoint": [
         "distopt_reshard",
         "pretrained_redirect",
         "persistent_tier",
+        "resume_proof",
     ],
     "megatron.training.training.load_checkpoint": [
         "distopt_reshard",
         "pretrained_redirect",
         "persistent_tier",
+        "resume_proof",
     ],
     "megatron.training.training.training_log": ["training_log", "loss_log"],
 }
