@@ -33,6 +33,7 @@ FIX_MODULES = (
     "megatron.fixes.pretrained_redirect",
     "megatron.fixes.async_reset",
     "megatron.fixes.rng_state_ep",
+    "megatron.fixes.fsdp_rng",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]

@@ -147,14 +147,12 @@ def train_straight(work: Path, model: list, iterations: int = 4, **kw) -> dict:
     return run.losses
 
 
-#: The resume proof's finding at TP 2 (open): the files hold every TP rank's RNG states, but the
-#: load gives TP rank 1 the torch CPU stream of TP rank 0 (docs/resume-proof.md, "Findings").
+#: What the resume proof finds at TP 2 without the fix ``fsdp_rng``: the files hold every TP rank's
+#: RNG states, but the load gives TP rank 1 the torch CPU stream of TP rank 0.
 TP2_RNG_FINDING = "RNG state of rank(s) 1 (torch); 3 (torch)"
 
 
-def resave_from_other_seed(
-    work: Path, tmp_path: Path, model: list, proof: tuple = (), **kw
-) -> tuple[dict, dict]:
+def resave_from_other_seed(work: Path, tmp_path: Path, model: list, **kw) -> tuple[dict, dict]:
     """Load ``work``'s iteration-2 checkpoint into a model started from another seed and save it
     again without training; returns (what was loaded, what was re-saved) as full tensors."""
     load = _checkpoint_at(work / "ckpt", 2, tmp_path / "load")
@@ -168,13 +166,9 @@ def resave_from_other_seed(
         "--save",
         str(tmp_path / "resaved"),
         "--use-checkpoint-opt-param-scheduler",
-        *proof,
         **kw,
     )
-    if proof:
-        assert TP2_RNG_FINDING in run.output, run.output[-3000:]
-    else:
-        assert "tensors and the scalar state equal to the saved state" in run.output
+    assert "tensors and the scalar state equal to the saved state" in run.output
     return (
         read_checkpoint(work / "ckpt" / "iter_0000002", tmp_path),
         read_checkpoint(tmp_path / "resaved" / "iter_0000002", tmp_path),
@@ -209,11 +203,27 @@ def test_tp2_reload_from_other_seed_restores_every_entry_bitwise(tmp_path):
     split; FSDP shards each TP rank's part unevenly)."""
     model = MODEL + ["--tensor-model-parallel-size", "2"]
     train_straight(tmp_path / "straight", model, iterations=2, nproc=4, env=ENV)
-    want, got = resave_from_other_seed(
-        tmp_path / "straight", tmp_path, model, ("--resume-proof", "warn"), nproc=4, env=ENV
-    )
+    want, got = resave_from_other_seed(tmp_path / "straight", tmp_path, model, nproc=4, env=ENV)
     assert_unfused_layout(want)
     assert_checkpoints_bitwise(want, got)
+    # guard (fix fsdp_rng): unfixed, every rank loads rank (0, 0)'s RNG states; the resume proof
+    # refuses the load, naming the TP-rank-1 ranks' torch stream
+    load = _checkpoint_at(tmp_path / "straight" / "ckpt", 2, tmp_path / "load_unfixed")
+    unfixed = run_pretrain(
+        tmp_path,
+        *model,
+        *OTHER_SEED,
+        *RESAVE,
+        "--load",
+        str(load),
+        "--save",
+        str(tmp_path / "resaved_unfixed"),
+        nproc=4,
+        env={**ENV, "MEGATRON_FIXES_DISABLE": "fsdp_rng"},
+        check=False,
+        loss_file="unfixed.jsonl",
+    )
+    assert unfixed.returncode != 0 and TP2_RNG_FINDING in unfixed.output, unfixed.output[-3000:]
 
 
 def test_resume_is_bitwise(tmp_path, straight):

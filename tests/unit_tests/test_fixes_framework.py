@@ -135,6 +135,7 @@ def test_cli_lists_fixes():
         "pretrained_redirect",
         "async_reset",
         "rng_state_ep",
+        "fsdp_rng",
     )
     for name in names:
         assert f"{name}:" in out.stdout

@@ -48,6 +48,7 @@ DECLARED_STACKS = {
         "resume_proof",
     ],
     "megatron.training.training.training_log": ["training_log", "loss_log"],
+    "megatron.training.checkpointing.get_rng_state": ["rng_state_ep", "fsdp_rng"],
 }
 
 
