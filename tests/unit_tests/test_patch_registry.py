@@ -165,6 +165,7 @@ def test_cli_json_lists_every_replacement():
     fix_owners = {f["name"] for f in data["fixes"]} | {
         p["name"] for f in data["fixes"] for p in f["parts"]
     }
-    assert {"cpu", "persistent_tier", "local_tier", "loss_log"} <= owners
+    hooks = {"cpu", "persistent_tier", "resume_proof", "local_tier", "loss_log"}
+    assert hooks <= owners
     assert all(f["status"] == "active" for f in data["fixes"]), data["fixes"]
-    assert owners - {"cpu", "persistent_tier", "local_tier", "loss_log"} <= fix_owners
+    assert owners - hooks <= fix_owners
