@@ -34,7 +34,11 @@ keys = sorted(k for k in os.environ if k.startswith(("TORCHELASTIC_", "ROLE_", "
                        "TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 opts = dict(a.split("=", 1) for a in sys.argv[1:])
 time.sleep(float(opts.get("sleep", 0)))
-print("ENV " + json.dumps({k: os.environ[k] for k in keys} | {"cwd": os.getcwd()}), flush=True)
+# one write per line (print writes the text and the newline separately: ranks sharing a pipe
+# interleave them under load, "ENV {...}ENV {...}")
+env = {k: os.environ[k] for k in keys} | {"cwd": os.getcwd()}
+sys.stdout.write("ENV " + json.dumps(env) + "\\n")
+sys.stdout.flush()
 rank, _, code = opts.get("exit", "-1:0").partition(":")
 sys.exit(int(code) if int(rank) == int(os.environ["RANK"]) else 0)
 """
