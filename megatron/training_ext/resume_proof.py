@@ -64,6 +64,10 @@ _MASK = (1 << 64) - 1
 SHOWN = 8
 
 
+class DigestUnavailable(RuntimeError):
+    """Some rank could not digest its state (raised on every rank, after the exchange)."""
+
+
 class ResumeProofError(SystemExit):
     """The state a load rebuilt differs from the state that was saved (raised on every rank,
     before training; exit status 1 with the message)."""
@@ -383,51 +387,63 @@ def digest_training_state(
         the layout they belong to), ``layout``, ``seconds``.
 
     Raises:
-        RuntimeError: a tensor described inconsistently by two ranks.
+        DigestUnavailable: on every rank, when some rank could not digest its part (its reason
+            named) or two ranks describe a tensor differently. The local work holds no
+            collective except under ``fsdp_dtensor`` (Megatron-FSDP's chunk metadata).
     """
     import torch.distributed as dist
     from megatron.core.utils import unwrap_model
 
     t0 = time.perf_counter()
-    rng = _rng_digest()  # first: nothing below may draw from a stream before it is recorded
+    error = None
     acc = _Partial()
-    model = unwrap_model(model)  # as upstream's save_checkpoint / load_checkpoint do
-    with torch.no_grad():
-        if getattr(args, "ckpt_format", None) == "fsdp_dtensor":
-            _add_fsdp(model, optimizer, args, acc)
-        else:
-            shs = _sharded_metadata(model, args)
-            part_map = _by_param(shs)
-            _add_model(shs, acc)
-            for opt in _optimizers(optimizer):
-                if hasattr(opt, "model_param_group_index_map"):
-                    _add_distributed_optimizer(opt, part_map, acc)
-                elif hasattr(opt, "optimizer"):
-                    _add_plain_optimizer(opt, part_map, acc)
-    scalars = {
-        "iteration": int(iteration),
-        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
-        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
-        "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
-        "opt_param_scheduler": _scheduler_state(opt_param_scheduler),
-        "optimizer_step": _optimizer_steps(optimizer),
-    }
-    mine = (acc.sums, acc.meta, acc.skipped, rng, scalars)
+    rng: Dict[str, str] = {}
+    scalars: dict = {}
+    try:  # local work only: a failure is exchanged below, so no rank is left in a collective
+        rng = _rng_digest()  # first: nothing below may draw from a stream before it is recorded
+        acc = _Partial()
+        model = unwrap_model(model)  # as upstream's save_checkpoint / load_checkpoint do
+        with torch.no_grad():
+            if getattr(args, "ckpt_format", None) == "fsdp_dtensor":
+                _add_fsdp(model, optimizer, args, acc)
+            else:
+                shs = _sharded_metadata(model, args)
+                part_map = _by_param(shs)
+                _add_model(shs, acc)
+                for opt in _optimizers(optimizer):
+                    if hasattr(opt, "model_param_group_index_map"):
+                        _add_distributed_optimizer(opt, part_map, acc)
+                    elif hasattr(opt, "optimizer"):
+                        _add_plain_optimizer(opt, part_map, acc)
+        scalars = {
+            "iteration": int(iteration),
+            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+            "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
+            "opt_param_scheduler": _scheduler_state(opt_param_scheduler),
+            "optimizer_step": _optimizer_steps(optimizer),
+        }
+    except Exception as e:  # noqa: BLE001 - e.g. a tensor type the digest cannot read
+        error = f"rank {_rank()}: {type(e).__name__}: {e}"
+    mine = (acc.sums, acc.meta, acc.skipped, rng, scalars, error)
     if dist.is_initialized():
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
     else:
         gathered = [mine]
+    errors = [g[5] for g in gathered if g[5]]
+    if errors:
+        raise DigestUnavailable("; ".join(errors[:4]))
     sums: Dict[str, List[int]] = {}
     meta: Dict[str, Tuple] = {}
     skipped: set = set()
-    for rank_sums, rank_meta, rank_skipped, _, _ in gathered:
+    for rank_sums, rank_meta, rank_skipped, _, _, _ in gathered:
         skipped.update(rank_skipped)
         for key, value in rank_sums.items():
             sums.setdefault(key, []).append(value)
             old = meta.setdefault(key, rank_meta[key])
             if old[:2] != rank_meta[key][:2]:
-                raise RuntimeError(
+                raise DigestUnavailable(
                     f"resume proof: ranks disagree on tensor {key!r}: {old} vs {rank_meta[key]}"
                 )
     tensors = {}
@@ -603,13 +619,19 @@ def _wrap_save_checkpoint(orig):
         ba = sig.bind(*a, **kw)
         ba.apply_defaults()
         args = checkpointing.get_args()
-        st.pending = digest_training_state(
-            ba.arguments["model"],
-            ba.arguments["optimizer"],
-            ba.arguments["opt_param_scheduler"],
-            args,
-            ba.arguments["iteration"],
-        )
+        try:
+            st.pending = digest_training_state(
+                ba.arguments["model"],
+                ba.arguments["optimizer"],
+                ba.arguments["opt_param_scheduler"],
+                args,
+                ba.arguments["iteration"],
+            )
+        except (
+            DigestUnavailable
+        ) as e:  # the save goes ahead, without a digest (its load: not proven)
+            st.pending = None
+            _say(f"iteration {ba.arguments['iteration']}: no state digest for this save ({e})")
         st.written = False
         try:
             result = orig(*a, **kw)
@@ -750,13 +772,22 @@ def _wrap_load_checkpoint(orig):
             )
             return result
         t0 = time.perf_counter()
-        now = digest_training_state(
-            ba.arguments["ddp_model"],
-            ba.arguments["optimizer"],
-            ba.arguments["opt_param_scheduler"],
-            args,
-            record.get("iteration", iteration) if getattr(args, "finetune", False) else iteration,
-        )
+        try:
+            now = digest_training_state(
+                ba.arguments["ddp_model"],
+                ba.arguments["optimizer"],
+                ba.arguments["opt_param_scheduler"],
+                args,
+                record.get("iteration", iteration)
+                if getattr(args, "finetune", False)
+                else iteration,
+            )
+        except DigestUnavailable as e:
+            _say(
+                f"iteration {iteration} ({where}): the loaded state could not be digested ({e}): "
+                "not proven"
+            )
+            return result
         cmp = compare(record, now, _restored(args))
         seconds = time.perf_counter() - t0
         skipped = f"; not compared: {'; '.join(cmp.not_compared)}" if cmp.not_compared else ""

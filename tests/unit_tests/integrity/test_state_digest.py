@@ -203,3 +203,22 @@ def test_compare_rules():
     # a tensor the load did not rebuild
     missing = _record(**{OPT: ("02", [4], "optimizer")})
     assert compare(saved, missing, {}).differ == ["w (not loaded)"]
+
+
+def test_a_rank_that_cannot_digest_makes_every_rank_skip_the_digest(monkeypatch):
+    """The local work's failure is exchanged with the partial sums, so every rank raises the same
+    DigestUnavailable after the collective (none is left waiting in it)."""
+    from argparse import Namespace
+
+    from megatron.training import checkpointing
+
+    from megatron.training_ext import resume_proof
+
+    monkeypatch.setattr(checkpointing, "_build_sharded_state_dict_metadata", lambda args: {})
+
+    class Broken(torch.nn.Module):
+        def sharded_state_dict(self, **kw):
+            raise TypeError("Float8Tensor: no byte view")
+
+    with pytest.raises(resume_proof.DigestUnavailable, match="rank 0: TypeError: Float8Tensor"):
+        resume_proof.digest_training_state([Broken()], None, None, Namespace(), 8)
