@@ -3,14 +3,13 @@ for an upstream that behaves, and can leave named fixes out."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import types
 
 import pytest
 
 import megatron.fixes as fixes
 from megatron.fixes.base import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
+from tests.helpers.dist import run_python
 
 
 class _Fake(Fix):
@@ -103,25 +102,23 @@ def test_every_fix_declares_its_patches_and_targets_the_pins():
 
 @pytest.mark.slow
 def test_pinned_upstream_still_has_every_defect():
-    """In a fresh process (no fix applied yet): the pinned upstream still has each defect. A fix
-    that stood aside here would mean the guard tests no longer prove anything."""
+    """In a process where no fix was ever applied (forked from the test forkserver, which imports
+    upstream and applies nothing): the pinned upstream still has each defect. A fix that stood
+    aside here would mean the guard tests no longer prove anything. (The probes in a fresh
+    interpreter, upstream not yet imported, run in the real CLI of ``test_cli_lists_fixes``.)"""
     script = (
         "import megatron.fixes as f\n"
         "bad = [x.name for x in f.fixes() if x.upstream_behaves()]\n"
         "print('BEHAVES', bad)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
-    )
+    out = run_python(script, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BEHAVES []" in out.stdout, out.stdout
 
 
 @pytest.mark.slow
-def test_cli_lists_fixes():
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron.fixes"], capture_output=True, text=True, timeout=300
-    )
+def test_cli_lists_fixes(fixes_cli):
+    out = fixes_cli["text"]  # python -m megatron.fixes (tests/unit_tests/conftest.py)
     assert out.returncode == 0, out.stderr[-3000:]
     names = (
         "replication",

@@ -5,14 +5,13 @@ replacement, owner, why, adds-attribute, stacking), undone by owner, and listed 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import types
 
 import pytest
 
 from megatron.fixes.registry import Patcher, PatchRegistry, wraps_upstream
+from tests.helpers.dist import run_python
 
 
 def test_records_stack_and_restore_by_owner():
@@ -71,7 +70,9 @@ def test_wraps_upstream_keeps_the_wrapper_name():
 
 #: Walks every loaded upstream module (and the classes defined in it) before and after the
 #: entrypoint's setup: a changed callable, or one of ours found in an upstream namespace, must be
-#: in the registry.
+#: in the registry. Runs in a process where nothing was applied yet (``run_python``: forked from the
+#: test forkserver, which imports torch and upstream and applies nothing; the walk also covers
+#: what that process has loaded).
 _SETUP_SCRIPT = textwrap.dedent(
     r"""
     import importlib, inspect, json, os, sys, types
@@ -136,9 +137,7 @@ _SETUP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_entrypoint_setup_replaces_nothing_outside_the_registry():
-    out = subprocess.run(
-        [sys.executable, "-c", _SETUP_SCRIPT], capture_output=True, text=True, timeout=600
-    )
+    out = run_python(_SETUP_SCRIPT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
@@ -147,13 +146,8 @@ def test_entrypoint_setup_replaces_nothing_outside_the_registry():
 
 
 @pytest.mark.slow
-def test_cli_json_lists_every_replacement():
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron.fixes", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_cli_json_lists_every_replacement(fixes_cli):
+    out = fixes_cli["json"]  # python -m megatron.fixes --json (tests/unit_tests/conftest.py)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout)
     recs = data["replacements"]

@@ -5,8 +5,6 @@ new stacked replacement is a decision, not an accident."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
@@ -53,13 +51,8 @@ DECLARED_STACKS = {
 
 
 @pytest.mark.slow
-def test_stacked_replacements_are_the_declared_ones_in_the_declared_order():
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron.fixes", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_stacked_replacements_are_the_declared_ones_in_the_declared_order(fixes_cli):
+    out = fixes_cli["json"]  # python -m megatron.fixes --json (tests/unit_tests/conftest.py)
     assert out.returncode == 0, out.stderr[-3000:]
     owners = defaultdict(list)
     for r in json.loads(out.stdout)["replacements"]:

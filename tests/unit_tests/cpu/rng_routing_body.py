@@ -1,4 +1,4 @@
-"""Body of test_rng_routing.py (run in a fresh process: the CPU backend is process-global).
+"""Body of test_rng_routing.py (run in a process of its own: the CPU backend is process-global).
 
 Enumerates torch's random ops from its operator registry (aten ops tagged nondeterministic_seeded),
 requires a call below for every Python binding of each (so an op added by a later torch fails

@@ -1,13 +1,18 @@
 """megatron.cpu.runtime: CUDA device arguments map to CPU, and the CUDA RNG stand-in is a separate,
-restorable stream that dropout draws from (the basis of bitwise resume with dropout)."""
+restorable stream that dropout draws from (the basis of bitwise resume with dropout).
+
+The runtime is process-global, so both scripts run in a process of their own: forked from the
+test forkserver (``tests.helpers.dist.run_python``: torch and upstream imported, nothing applied or
+activated; ``activate()`` imports upstream before it patches anyway), not a fresh interpreter.
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers.dist import run_python
 
 SCRIPT = textwrap.dedent(
     """
@@ -65,9 +70,7 @@ t.start(); t.join()
 
 @pytest.mark.slow
 def test_cpu_runtime_in_subprocess():
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
-    )
+    out = run_python(SCRIPT, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-4000:]
 
 
@@ -91,5 +94,5 @@ def test_guard_without_runtime_cuda_calls_fail():
         import pytest
 
         pytest.skip("a GPU is present")
-    out = subprocess.run([sys.executable, "-c", GUARD], capture_output=True, text=True, timeout=300)
+    out = run_python(GUARD, timeout=300)
     assert "FAILS" in out.stdout, out.stdout + out.stderr[-2000:]
