@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,16 +37,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+from tools._gloo_bench import run_workers, slowest  # noqa: E402
+
 VARIANTS = ("upstream", "upstream --verify-integrity", "fork default")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank: int, world: int, tensors: int, per_rank_bytes: int):
@@ -61,12 +57,6 @@ def _state(rank: int, world: int, tensors: int, per_rank_bytes: int):
         )
         for i in range(tensors)
     }
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _worker(rank: int, world: int, port: int, args, out) -> None:
@@ -121,19 +111,19 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
                 up_verify = v == "upstream --verify-integrity"
                 t0 = time.perf_counter()
                 dist_checkpointing.save(state, d, verify_integrity=up_verify)
-                t_save = _slowest(time.perf_counter() - t0)
+                t_save = slowest(time.perf_counter() - t0)
                 target = {k: t.without_data() for k, t in state.items()}
                 for k, t in target.items():
                     t.data = torch.empty_like(state[k].data)
                 dist.barrier()
                 t0 = time.perf_counter()
                 loaded = dist_checkpointing.load(target, d, verify_integrity=up_verify)
-                t_load = _slowest(time.perf_counter() - t0)
+                t_load = slowest(time.perf_counter() - t0)
                 if rep >= 0:
                     times[(v, "save")].append(t_save)
                     times[(v, "load")].append(t_load)
-                    times[(v, "save_integrity")].append(_slowest(spent["save"]))
-                    times[(v, "load_integrity")].append(_slowest(spent["load"]))
+                    times[(v, "save_integrity")].append(slowest(spent["save"]))
+                    times[(v, "load_integrity")].append(slowest(spent["load"]))
                 assert all(torch.equal(loaded[k], state[k].data) for k in state)
             finally:
                 persistent_tier.uninstall()
@@ -156,23 +146,11 @@ def main(argv=None) -> int:
     tmp = None
     if args.dir is None:
         tmp = args.dir = tempfile.mkdtemp(prefix="bench_persistent_integrity_")
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world, port, args, out))
-        for r in range(args.world)
-    ]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
+    times = run_workers(_worker, args.world, args)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
-    if any(pr.exitcode for pr in procs) or out.empty():
-        print("benchmark failed", file=sys.stderr)
+    if times is None:
         return 1
-    times = out.get()
     med = {k: statistics.median(x) for k, x in times.items()}
     print(
         f"{args.gib:g} GiB torch_dist checkpoint, {args.world} gloo ranks, "

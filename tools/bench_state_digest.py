@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,22 +29,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+from tools._gloo_bench import run_workers, slowest  # noqa: E402
+
 OPS = ("digest", "save", "load")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _worker(rank: int, world: int, port: int, args, out) -> None:
@@ -96,17 +86,17 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         digest()
-        t_digest = _slowest(time.perf_counter() - t0)
+        t_digest = slowest(time.perf_counter() - t0)
         t0 = time.perf_counter()
         dist_checkpointing.save(state, d)
-        t_save = _slowest(time.perf_counter() - t0)
+        t_save = slowest(time.perf_counter() - t0)
         target = {k: t.without_data() for k, t in state.items()}
         for k, t in target.items():
             t.data = torch.empty_like(state[k].data)
         dist.barrier()
         t0 = time.perf_counter()
         dist_checkpointing.load(target, d)
-        t_load = _slowest(time.perf_counter() - t0)
+        t_load = slowest(time.perf_counter() - t0)
         if rep >= 0:
             times["digest"].append(t_digest)
             times["save"].append(t_save)
@@ -132,23 +122,11 @@ def main(argv=None) -> int:
     tmp = None
     if args.dir is None:
         tmp = args.dir = tempfile.mkdtemp(prefix="bench_state_digest_")
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world, port, args, out))
-        for r in range(args.world)
-    ]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
+    times = run_workers(_worker, args.world, args)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
-    if any(pr.exitcode for pr in procs) or out.empty():
-        print("benchmark failed", file=sys.stderr)
+    if times is None:
         return 1
-    times = out.get()
     med = {op: statistics.median(v) for op, v in times.items()}
     print(
         f"{args.mb:g} MB fp32 state per rank, {args.world} gloo ranks, {args.tensors} tensors "
