@@ -86,6 +86,20 @@ def _term_sum(values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return _mix_(z, torch.empty_like(z)).sum()
 
 
+def _runs(local_shape: Sequence[int], global_shape: Sequence[int]) -> Tuple[int, int]:
+    """``(d, run)``: a block's elements run contiguously in global index over ``run`` elements
+    (its trailing dims that span the global ones, and the next dim's local extent), and the
+    outer dims ``0 .. d-1`` index those runs (``d == 0``: the block is one contiguous range)."""
+    d, run = len(local_shape), 1
+    while d > 0 and local_shape[d - 1] == global_shape[d - 1]:
+        run *= local_shape[d - 1]
+        d -= 1
+    if d > 0:
+        run *= local_shape[d - 1]
+        d -= 1
+    return d, run
+
+
 def _segments(
     start: int,
     stop: int,
@@ -102,13 +116,7 @@ def _segments(
 
     gstr = _strides(global_shape)
     base = sum(o * s for o, s in zip(global_offset, gstr))
-    d, run = len(local_shape), 1
-    while d > 0 and local_shape[d - 1] == global_shape[d - 1]:
-        run *= local_shape[d - 1]
-        d -= 1
-    if d > 0:
-        run *= local_shape[d - 1]
-        d -= 1
+    d, run = _runs(local_shape, global_shape)
     if d == 0 or stop <= start:
         return np.array([base + start], dtype=np.int64), np.array([stop - start], dtype=np.int64)
     outer = list(local_shape[:d])
@@ -216,16 +224,7 @@ def range_sum(
     gstr = _strides(global_shape)
     base = sum(o * s for o, s in zip(global_offset, gstr))
     total = torch.zeros((), dtype=torch.int64, device=device)
-    # Dims whose local extent equals the global one, from the last dim backwards: within them the
-    # global index runs contiguously. `run` is the length of one contiguous run of the block.
-    d = len(local_shape)
-    run = 1
-    while d > 0 and local_shape[d - 1] == global_shape[d - 1]:
-        run *= local_shape[d - 1]
-        d -= 1
-    if d > 0:  # the first partial dim from the back also runs contiguously over its local extent
-        run *= local_shape[d - 1]
-        d -= 1
+    d, run = _runs(local_shape, global_shape)
     if d == 0:  # the whole block is one contiguous global range
         for c0 in range(0, stop - start, CHUNK):
             m = min(CHUNK, stop - start - c0)

@@ -173,6 +173,15 @@ def _add_model(shs: List[Any], acc: _Partial) -> None:
             )
 
 
+def _state_tensors(states: Dict[str, Any]):
+    """(name, tensor) of an optimizer's per-parameter state: the main parameter as
+    ``fp32_param`` and every state tensor but the 0-d ``step`` (kept in the scalar state)."""
+    for name, value in states.items():
+        if name == "step" or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        yield ("fp32_param" if name == "param" else name), value.detach()
+
+
 def _add_distributed_optimizer(opt: Any, part_map: Dict[int, Any], acc: _Partial) -> None:
     """The DP shard of each parameter's state this rank holds, placed in model space."""
     instance = getattr(opt, "distributed_optimizer_instance_id", 0)
@@ -187,11 +196,8 @@ def _add_distributed_optimizer(opt: Any, part_map: Dict[int, Any], acc: _Partial
             continue
         rng = opt._get_model_param_range_map(param)["param"]
         states = opt._get_main_param_and_optimizer_states(param)
-        for name, value in states.items():
-            if name == "step" or not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            state_name = "fp32_param" if name == "param" else name
-            flat = value.detach().reshape(-1)
+        for state_name, value in _state_tensors(states):
+            flat = value.reshape(-1)
             for part, off in _blocks(sh, param):
                 key = f"optimizer.state.{state_name}.{part.key}"
                 if off is None:
@@ -241,10 +247,7 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: _Partial) -> N
             continue
         states = {"param": main}
         states.update(opt.optimizer.state.get(main, {}))
-        for name, value in states.items():
-            if name == "step" or not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            state_name = "fp32_param" if name == "param" else name
+        for state_name, value in _state_tensors(states):
             for part, off in _blocks(sh, sh.data):
                 key = f"optimizer.state.{state_name}.{part.key}"
                 if off is None:
@@ -259,7 +262,7 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: _Partial) -> N
                     lshape,
                     goff,
                     gshape,
-                    values=value.detach().reshape(-1)[off : off + n],
+                    values=value.reshape(-1)[off : off + n],
                 )
                 acc.add(key, v, gshape, value.dtype, "optimizer")
 
