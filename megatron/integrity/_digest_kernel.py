@@ -14,28 +14,50 @@ _K = np.uint64(K_POS)
 _M1 = np.uint64(M1)
 _M2 = np.uint64(M2)
 _ONE = np.uint64(1)
+_K2 = _K * np.uint64(2)
+_K3 = _K * np.uint64(3)
+_K4 = _K * np.uint64(4)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
+
+
+@numba.njit(cache=True, inline="always")
+def _mix(z):  # pragma: no cover - compiled
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 @numba.njit(cache=True, nogil=True)
 def segments_sum(vals, starts, lens):  # pragma: no cover - compiled
     """Sum (mod 2**64) over the elements of ``vals`` (unsigned ints of one width, the runs
     concatenated) of ``mix(vals[i] + (g + 1) * K_POS)``, where run ``k`` covers global indices
-    ``starts[k] .. starts[k] + lens[k] - 1``. Returns a ``uint64``."""
+    ``starts[k] .. starts[k] + lens[k] - 1``. Returns a ``uint64``.
+
+    Four elements per step into four sums: the mixes are independent, so the CPU overlaps their
+    multiplies (about 10% faster than one sum here)."""
     s = np.uint64(0)
-    i = 0
+    off = 0
     for k in range(starts.shape[0]):
-        g = np.uint64(starts[k]) + _ONE
-        for _ in range(lens[k]):
-            z = np.uint64(vals[i]) + g * _K
-            z ^= z >> _S30
-            z *= _M1
-            z ^= z >> _S27
-            z *= _M2
-            z ^= z >> _S31
-            s += z
-            g += _ONE
-            i += 1
+        p = (np.uint64(starts[k]) + _ONE) * _K  # (g + 1) * K_POS of the run's first element
+        n = lens[k]
+        a0 = a1 = a2 = a3 = np.uint64(0)
+        j = 0
+        while j + 4 <= n:
+            a0 += _mix(np.uint64(vals[off + j]) + p)
+            a1 += _mix(np.uint64(vals[off + j + 1]) + p + _K)
+            a2 += _mix(np.uint64(vals[off + j + 2]) + p + _K2)
+            a3 += _mix(np.uint64(vals[off + j + 3]) + p + _K3)
+            p += _K4
+            j += 4
+        while j < n:
+            a0 += _mix(np.uint64(vals[off + j]) + p)
+            p += _K
+            j += 1
+        s += a0 + a1 + a2 + a3
+        off += n
     return s
