@@ -2,7 +2,7 @@
 # The project's test command (README "Tests"; .ci/run calls exactly this).
 #   scripts/test.sh                 # set up .venv if needed, then unit + functional tests (CPU)
 #   scripts/test.sh --quick         # fast lane: unit tests + one pretrain_gpt.py smoke run (< 3 min)
-#   scripts/test.sh -k replication  # extra arguments go to pytest
+#   scripts/test.sh -k replication  # extra arguments go to pytest (test paths replace tests/)
 # Integration tests (marker integration: the container install step in a fresh venv, a local SLURM
 # cluster) run only with MEGATRON_INTEGRATION_TESTS=1; CI leaves them out for time. With them, the
 # lane first runs scripts/setup_test_services.sh, which installs the Debian packages slurm-wlm and
@@ -16,6 +16,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+# test paths given (scripts/test.sh tests/unit_tests/integrity): run those instead of tests/
+where=tests
+for a in "$@"; do
+  case "$a" in -*) ;; *) if [ -e "${a%%::*}" ]; then where=; fi ;; esac
+done
 scripts/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # style first (seconds): ruff lint and format check, configured in pyproject.toml
@@ -28,9 +33,9 @@ if [ "$quick" = 1 ]; then
 fi
 if [ "${MEGATRON_INTEGRATION_TESTS:-0}" != 1 ]; then
   # default (CI): without the integration tests (container install step, local SLURM cluster)
-  exec .venv/bin/python -m pytest tests -m "not cluster and not integration" -p no:cacheprovider "$@"
+  exec .venv/bin/python -m pytest $where -m "not cluster and not integration" -p no:cacheprovider "$@"
 fi
 if [ "${MEGATRON_SKIP_TEST_SERVICES:-0}" != 1 ]; then
   scripts/setup_test_services.sh || true   # single-node SLURM for test_slurm.py (skipped if it cannot install)
 fi
-exec .venv/bin/python -m pytest tests -m "not cluster" -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest $where -m "not cluster" -p no:cacheprovider "$@"
