@@ -1,0 +1,93 @@
+"""``megatron.training_ext.arg_errors``: upstream's bare argument assertions named (the guard:
+upstream alone raises an ``AssertionError`` without a message), the ``--eval-interval`` check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from megatron.training_ext import arg_errors
+from megatron.training_ext import args as fork_args
+
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+    "--train-iters 20 --eval-interval 10 --tokenizer-type NullTokenizer --vocab-size 257"
+).split()
+
+
+def _parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    return fork_args.add_fork_args(
+        add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    )
+
+
+def _upstream_failure(monkeypatch, argv):
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    parser = _parser()
+    args = parse_args(fork_args.add_fork_args)  # upstream's, as parse_and_validate_args calls it
+    with pytest.raises(AssertionError) as info:
+        validate_args(args, {})
+    return info.value, parser
+
+
+def test_guard_upstream_raises_a_bare_assertion(monkeypatch):
+    error, _ = _upstream_failure(monkeypatch, [*TINY, "--save", "ck"])
+    assert str(error) == ""  # what a user sees from upstream alone: no flag named
+
+
+def test_explain_names_the_flags_and_values(monkeypatch):
+    error, parser = _upstream_failure(monkeypatch, [*TINY, "--save", "ck"])
+    line = arg_errors.explain(error, parser)
+    assert line == (
+        "invalid arguments (--save-interval=None; with --save=ck): "
+        "upstream requires args.save_interval is not None"
+    )
+
+
+def test_explain_follows_a_local_variable_to_its_flags(monkeypatch):
+    error, parser = _upstream_failure(monkeypatch, [*TINY, "--tensor-model-parallel-size", "3"])
+    line = arg_errors.explain(error, parser)
+    assert line.startswith("invalid arguments (world size (ranks launched)=2, ")
+    assert "--tensor-model-parallel-size=3" in line and "--pipeline-model-parallel-size=1" in line
+    assert "is not divisible" in line  # upstream's own message kept
+
+
+def test_explain_ignores_assertions_outside_argument_validation():
+    try:
+        assert 1 == 2
+    except AssertionError as e:
+        assert arg_errors.explain(e, None) is None
+
+
+def test_parse_and_validate_args_exits_with_the_line(monkeypatch):
+    def upstream(**kw):
+        error, _ = _upstream_failure(monkeypatch, [*TINY, "--micro-batch-size", "0"])
+        raise error
+
+    with pytest.raises(arg_errors.ArgumentMistake) as info:
+        arg_errors.parse_and_validate_args(upstream, _parser)
+    assert info.value.code == (
+        "pretrain_gpt.py: invalid arguments (--micro-batch-size=0): "
+        "upstream requires args.micro_batch_size > 0"
+    )
+
+
+def test_missing_eval_interval_is_refused():
+    ns = argparse.Namespace(eval_interval=None, full_validation=False, skip_train=False)
+    with pytest.raises(arg_errors.ArgumentMistake, match="--eval-interval is required"):
+        arg_errors.check_later_failures(ns)
+    for ok in (
+        argparse.Namespace(eval_interval=10, full_validation=False, skip_train=False),
+        argparse.Namespace(eval_interval=None, full_validation=True, skip_train=False),
+        argparse.Namespace(eval_interval=None, full_validation=False, skip_train=True),
+    ):
+        arg_errors.check_later_failures(ok)
