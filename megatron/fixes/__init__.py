@@ -75,8 +75,11 @@ def apply() -> dict[str, FixStatus]:
 
     was_initialized = dist.is_available() and dist.is_initialized()
     hook = sys.excepthook
+    before = {f.name: f.status for f in fixes()}
     try:
-        return _apply_all()
+        statuses = _apply_all()
+        _log_summary(before)
+        return statuses
     finally:
         if dist.is_available() and dist.is_initialized() and not was_initialized:
             logging.getLogger("megatron.fixes").warning(
@@ -84,6 +87,23 @@ def apply() -> dict[str, FixStatus]:
             )
             dist.destroy_process_group()
         sys.excepthook = hook
+
+
+def _log_summary(before: dict) -> None:
+    """One line, on rank 0 (``$RANK``; apply runs before any process group), when this call
+    installed fixes: how many are active on which upstream versions. Each fix's own line is at
+    DEBUG; ``python -m megatron.fixes`` lists them."""
+    fresh = [f for f in fixes() if f.status is FixStatus.ACTIVE and before.get(f.name) != f.status]
+    if not fresh or os.environ.get("RANK", "0") != "0":
+        return
+    active = [f for f in fixes() if f.status is FixStatus.ACTIVE]
+    versions = {}
+    for f in active:
+        versions.setdefault(f.package, f.installed_version())
+    on = " / ".join(f"{p} {v}" for p, v in sorted(versions.items()))
+    logging.getLogger("megatron.fixes").info(
+        "[fixes] %d active on %s (python -m megatron.fixes for details)", len(active), on
+    )
 
 
 def _apply_all() -> dict[str, FixStatus]:

@@ -165,7 +165,7 @@ class Fix(abc.ABC):
             )
         self.install(self._patcher)
         self.status, self.reason = FixStatus.ACTIVE, f"{self.package} {version}"
-        logger.info(
+        logger.debug(  # one summary line per process instead (megatron.fixes.apply)
             "fix %s: installed on %s %s (%s): %s",
             self.name,
             self.package,

@@ -239,7 +239,7 @@ class RngStateEpFix(Fix):
             sd = upstream_gen(*args, **kwargs)
             rng = sd.get("rng_state") if isinstance(sd, dict) else None
             if isinstance(rng, ShardedObject) and rng.key.endswith(PER_RANK_KEY) and rng.data:
-                logger.info(
+                logger.debug(  # per save and rank: state_digest.json records them (resume proof)
                     "rng_state: rank %d saves %s",
                     torch.distributed.get_rank(),
                     _fmt(stream_digests(rng.data[0])),

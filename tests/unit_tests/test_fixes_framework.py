@@ -137,3 +137,28 @@ def test_cli_lists_fixes(fixes_cli):
     for name in names:
         assert f"{name}:" in out.stdout
     assert out.stdout.count("status:    active") == len(names)
+
+
+def test_apply_logs_one_summary_line_on_rank_zero(caplog, monkeypatch):
+    """The fixes a call installs are summarised in one line on rank 0, none on other ranks; each
+    fix's own line is DEBUG (``python -m megatron.fixes`` lists them)."""
+    import logging
+
+    fixes.apply()
+    active = [f for f in fixes.fixes() if f.status is FixStatus.ACTIVE]
+    assert active
+    before = {f.name: FixStatus.NOT_APPLIED for f in fixes.fixes()}
+    for rank, expected in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron.fixes"):
+            fixes._log_summary(before)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == expected, lines
+        if expected:
+            assert lines[0].startswith(f"[fixes] {len(active)} active on megatron-core 0.19.2 / ")
+            assert lines[0].endswith("(python -m megatron.fixes for details)")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron.fixes"):
+        fixes._log_summary({f.name: f.status for f in fixes.fixes()})  # nothing new installed
+    assert not caplog.records
