@@ -164,15 +164,16 @@ def _start_write_results_queue() -> None:
     """Start megatron-core's checkpoint write-results queue (``filesystem_async._results_queue``, a
     ``multiprocessing`` ``Manager`` queue) in the rank now, forked, instead of at its first
     ``torch_dist`` save, spawned: a spawned helper starts a fresh interpreter and imports torch
-    (about 4 s of a 10 s launch here). Now the rank is still single-threaded, so the fork is safe;
-    the helper is in the rank's session (signals reach it) and the rank's ``atexit`` stops it. The
-    spawned helper of a real launch is tested where the launcher is (``torchrun`` runs, and
-    ``tests/unit_tests/test_entrypoint_spawn.py``)."""
+    (about 4 s of a 10 s launch here). The rank is still single-threaded (checked), so the fork is
+    safe; the helper is in the rank's session (signals reach it) and the rank's ``atexit`` stops
+    it. The spawned helper of a real launch is tested where the launcher is (``torchrun`` runs,
+    and ``tests/unit_tests/test_entrypoint_spawn.py``)."""
     import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
+        check_fork_safe()
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
