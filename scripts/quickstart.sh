@@ -33,7 +33,7 @@ train() {
     --micro-batch-size 4 --global-batch-size 8 --lr 1e-3 --train-iters 20 --eval-iters 0 --eval-interval 1000 \
     --log-interval 1 --save ckpt --load ckpt --save-interval 10 --ckpt-format torch_dist \
     --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir local --non-persistent-save-interval 4 \
-    --replication --replication-jump 1 --replication-factor 2 --loss-log losses.jsonl "$@" > "$name.log" 2>&1 \
+    --replication --replication-jump 1 --replication-factor 2 --loss-log losses.jsonl --tensorboard-dir tb "$@" > "$name.log" 2>&1 \
     || fail "training ($name)" "$name.log"
 }
 losses() {  # "iterations A-B, lm loss X -> Y" from the loss log
@@ -70,4 +70,6 @@ newest=$("$py" -c 'import json; print(json.load(open("verify.json"))["newest_com
 [ "$newest" = 16 ] || fail "verification (newest complete local iteration $newest, expected 16)" verify.log
 step verified "local checkpoint 16 (written after the recovery): every shard's primary and its replica agree (tools/verify_checkpoint.py)"
 step finished "checkpoints: $work/ckpt (persistent), $work/local/<rank> (local); losses: $work/losses.jsonl"
+ls tb/events.out.tfevents.* > /dev/null 2>&1 || fail "TensorBoard (no event file in $work/tb)" part2.log
+step "" "TensorBoard: $work/tb (view: $py -m tensorboard.main --logdir $work/tb)"
 step "" "full logs: $work/{setup,preprocess,part1,part2,verify}.log"

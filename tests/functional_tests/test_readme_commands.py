@@ -120,6 +120,8 @@ def _check_quickstart(clone: Path, out: str) -> None:
     ]  # its own shard and rank 0's replica
     for log in ("setup", "preprocess", "part1", "part2", "verify"):
         assert (work / f"{log}.log").stat().st_size > 0
+    assert f"TensorBoard: {work / 'tb'} (view: " in out, out
+    assert len(list((work / "tb").glob("events.out.tfevents.*"))) == 2  # one per launch
 
 
 CHECKS = {
