@@ -201,9 +201,9 @@ def _run_rank(req: dict, rank: int, prefix: tuple[bytes, bytes], error_dir: str)
                 os.write(fd, data)
         import torch
 
+        _start_write_results_queue()  # first: set_num_threads may start an OpenMP pool
         threads = env.get("OMP_NUM_THREADS")
         torch.set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
-        _start_write_results_queue()
         entry = req["entry"]
         sys.argv = [entry, *req["argv"]]
         sys.path[0] = os.path.dirname(os.path.abspath(entry))
