@@ -5,6 +5,7 @@ the same ``pretrain_gpt.py`` command (this file's torchrun launches are the cont
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -103,6 +104,8 @@ def test_exit_code_and_failure_page_are_torchruns(tmp_path):
 def test_sigkill_of_a_rank_stops_the_others_and_is_reported(tmp_path):
     script = _probe(tmp_path)
     out = tmp_path / "fast.out"
+    srv = fastlaunch.server_for({})
+    before = _forked_from(srv.sock)
     started = fastlaunch.launch(script, ["sleep=60"], 2, tmp_path, launch_env(), out)
     time.sleep(1.0)
     t0 = time.monotonic()
@@ -112,6 +115,25 @@ def test_sigkill_of_a_rank_stops_the_others_and_is_reported(tmp_path):
     assert codes == [-signal.SIGTERM, -signal.SIGKILL], codes  # torchrun: SIGTERM to the rest
     page = out.read_text()
     assert "exitcode  : -9" in page and "Signal 9 (SIGKILL) received by PID" in page, page
+    # no process outlives its rank: the ranks' checkpoint write-results helpers die with them
+    deadline = time.monotonic() + 10
+    while (left := _forked_from(srv.sock) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind by the killed launch: {sorted(left)}"
+
+
+def _forked_from(sock: str) -> set[int]:
+    """Pids of the processes forked from the server listening on ``sock`` (its command line),
+    the server itself included."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.isdigit() and sock.encode() in cmd:
+            out.add(int(entry))
+    return out
 
 
 def test_server_and_agent_fork_with_one_thread_and_no_process_group(tmp_path):

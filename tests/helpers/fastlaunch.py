@@ -169,12 +169,25 @@ def _start_write_results_queue() -> None:
     it. The spawned helper of a real launch is tested where the launcher is (``torchrun`` runs,
     and ``tests/unit_tests/test_entrypoint_spawn.py``)."""
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         check_fork_safe()
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a rank's helper: be killed when the rank dies, even by ``SIGKILL`` (a fault test's), so
+    no helper outlives its rank (``prctl(PR_SET_PDEATHSIG)``; Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the rank died before the prctl
+        os._exit(0)
 
 
 def _run_rank(req: dict, rank: int, prefix: tuple[bytes, bytes], error_dir: str) -> None:
