@@ -211,21 +211,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def _parser():
-    """The entrypoint's argument parser, as upstream's ``parse_args`` builds it."""
-    import argparse
-
-    from megatron.training.arguments import add_megatron_arguments
-
-    return fork_args.add_fork_args(
-        add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    )
-
-
 def main() -> None:
     args = arg_errors.parse_and_validate_args(  # upstream's; its bare asserts become messages
         parse_and_validate_args,
-        _parser,
+        fork_args.entrypoint_parser,
         extra_args_provider=fork_args.add_fork_args,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )

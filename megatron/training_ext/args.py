@@ -209,6 +209,15 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def entrypoint_parser() -> argparse.ArgumentParser:
+    """``pretrain_gpt.py``'s argument parser as upstream's ``parse_args`` builds it (upstream's
+    flags, then this fork's); :mod:`megatron.training_ext.arg_errors` maps a failed check's
+    ``args`` attributes to flags with it."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_fork_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
 def validate_fork_args(args: argparse.Namespace) -> None:
     """Cross-check this fork's flags against upstream's; raises ``SystemExit`` with the reason."""
     if getattr(args, "restore_modelopt_state", False):

@@ -18,21 +18,13 @@ TINY = (
 ).split()
 
 
-def _parser() -> argparse.ArgumentParser:
-    from megatron.training.arguments import add_megatron_arguments
-
-    return fork_args.add_fork_args(
-        add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    )
-
-
 def _upstream_failure(monkeypatch, argv):
     from megatron.training.arguments import parse_args, validate_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
-    parser = _parser()
+    parser = fork_args.entrypoint_parser()
     args = parse_args(fork_args.add_fork_args)  # upstream's, as parse_and_validate_args calls it
     with pytest.raises(AssertionError) as info:
         validate_args(args, {})
@@ -74,7 +66,7 @@ def test_parse_and_validate_args_exits_with_the_line(monkeypatch):
         raise error
 
     with pytest.raises(arg_errors.ArgumentMistake) as info:
-        arg_errors.parse_and_validate_args(upstream, _parser)
+        arg_errors.parse_and_validate_args(upstream, fork_args.entrypoint_parser)
     assert info.value.code == (
         "pretrain_gpt.py: invalid arguments (--micro-batch-size=0): "
         "upstream requires args.micro_batch_size > 0"
