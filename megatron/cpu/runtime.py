@@ -8,7 +8,7 @@ the CUDA generator: every random op a GPU run would run on the GPU (:mod:`megatr
 draws from it, so a resumed run is bitwise identical to an uninterrupted one, dropout included.
 A few narrow Megatron-level patches (``initialize_megatron(allow_no_cuda=True)``, no CUDA
 ``device_id`` for gloo, the prebuilt dataset helper, ``_lazy_call``, MoE split sizes) are recorded
-in :mod:`megatron.fixes.registry`. Design notes: ``docs/cpu-backend.md``.
+in :mod:`megatron.overlay.registry`. Design notes: ``docs/cpu-backend.md``.
 
 Raises at :func:`activate` when a CUDA device is usable (the backend would shadow it).
 """
@@ -37,7 +37,7 @@ from megatron.cpu.rng_routing import (  # noqa: F401  (re-exported: tests, calle
     random_callables,
     seeded_aten_ops,
 )
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger("megatron.cpu")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 #: Attribute set on an adapted ``GPTModelConfig``: ``{'fuse_down_proj': bool, 'base': spec}``.
 MARK = "_cpu_backend_mla"

@@ -6,7 +6,7 @@ Usage::
     megatron.fixes.apply()          # idempotent; pretrain_gpt.py calls it before anything else
 
 ``python -m megatron.fixes [--json]`` lists each fix, the upstream report it answers, whether it is
-active, and every upstream attribute replaced (:mod:`megatron.fixes.registry`). Importing this
+active, and every upstream attribute replaced (:mod:`megatron.overlay.registry`). Importing this
 package does no work beyond definitions: the fix modules (which import upstream) are loaded by
 :func:`fixes`.
 """
@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from megatron.fixes.base import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
+from megatron.overlay import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
 
 # One module per upstream defect; each defines ``FIX``. Order matters only for logging.
 FIX_MODULES = (
@@ -54,8 +54,10 @@ def disabled() -> set[str]:
     return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
 
 
-def apply() -> dict[str, FixStatus]:
-    """Install every fix onto upstream; idempotent (a second call changes nothing).
+def apply(strict: bool = True) -> dict[str, FixStatus]:
+    """Decide every fix on the installed upstream and install those found active; idempotent (a
+    second call changes nothing). Each fix decides by its behavioural probe
+    (:meth:`megatron.overlay.Fix.decide`): active, standing aside, or refused.
 
     Fixes named in ``$MEGATRON_FIXES_DISABLE`` are left out (status ``NOT_APPLIED``, with a
     warning).
@@ -65,11 +67,17 @@ def apply() -> dict[str, FixStatus]:
     prefixes tracebacks with ``[rankN]:``; a capability probe that needs a group starts a private
     1-rank one and must not leave it, nor its ``[rank0]:`` prefix, to the job).
 
+    Args:
+        strict: raise when any fix is refused (``pretrain_gpt.py``); ``False`` records the refusal
+            in the fix's status and reason and goes on (``python -m megatron.fixes``).
+
     Returns:
         fix name -> :class:`FixStatus`.
 
     Raises:
-        UnsupportedUpstreamError: an upstream version outside a fix's pin that still has the defect.
+        UnsupportedUpstreamError: with ``strict``, after every fix was decided, when any was
+            refused (its probe cannot tell on an unproven upstream, or the defect is there but its
+            patch points changed); the message names each refused fix.
     """
     import torch.distributed as dist
 
@@ -77,8 +85,10 @@ def apply() -> dict[str, FixStatus]:
     hook = sys.excepthook
     before = {f.name: f.status for f in fixes()}
     try:
-        statuses = _apply_all()
+        statuses, refused = _apply_all()
         _log_summary(before)
+        if refused and strict:
+            raise UnsupportedUpstreamError("\n".join(refused))
         return statuses
     finally:
         if dist.is_available() and dist.is_initialized() and not was_initialized:
@@ -97,18 +107,20 @@ def _log_summary(before: dict) -> None:
     if not fresh or os.environ.get("RANK", "0") != "0":
         return
     active = [f for f in fixes() if f.status is FixStatus.ACTIVE]
+    aside = [f for f in fixes() if f.status is FixStatus.STANDS_ASIDE]
     versions = {}
     for f in active:
         versions.setdefault(f.package, f.installed_version())
     on = " / ".join(f"{p} {v}" for p, v in sorted(versions.items()))
+    also = f", {len(aside)} standing aside (upstream behaves)" if aside else ""
     logging.getLogger("megatron.fixes").info(
-        "[fixes] %d active on %s (python -m megatron.fixes for details)", len(active), on
+        "[fixes] %d active on %s%s (python -m megatron.fixes for details)", len(active), on, also
     )
 
 
-def _apply_all() -> dict[str, FixStatus]:
+def _apply_all() -> tuple[dict[str, FixStatus], list[str]]:
     off = disabled()
-    statuses = {}
+    statuses, refused = {}, []
     for fix in fixes():
         if fix.name in off:
             logging.getLogger("megatron.fixes").warning(
@@ -116,14 +128,18 @@ def _apply_all() -> dict[str, FixStatus]:
             )
             statuses[fix.name] = fix.status
             continue
-        statuses[fix.name] = fix.apply()
+        try:
+            statuses[fix.name] = fix.apply()
+        except UnsupportedUpstreamError as exc:
+            statuses[fix.name] = fix.status
+            refused.append(str(exc))
     unknown = off - {f.name for f in fixes()}
     if unknown:
         raise ValueError(
             f"${DISABLE_ENV} names unknown fixes {sorted(unknown)}; "
             f"known: {sorted(f.name for f in fixes())}"
         )
-    return statuses
+    return statuses, refused
 
 
 def reset() -> None:

@@ -18,7 +18,7 @@ import os
 import sys
 
 from megatron.fixes import apply, fixes
-from megatron.fixes.registry import REGISTRY
+from megatron.overlay.registry import REGISTRY
 
 
 def install_components() -> list[str]:

@@ -15,8 +15,8 @@ import importlib
 import inspect
 import types
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 _MODULE = "megatron.training.async_utils"
 #: Modules holding a module-global ``_results_queue`` (nvrx strategy, mcore strategy).
@@ -78,7 +78,6 @@ class AsyncResetFix(Fix):
         "_get_async_calls_queue (drops --async-ckpt-use-cpu-shm)",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         au = importlib.import_module(_MODULE)

@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 import torch
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 #: The optimizer-state keys of the stand-in (torch Adam's, besides ``param``).
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -262,7 +262,6 @@ class DistOptBucketOffsetsFix(Fix):
         "adjust param ranges for the bucket-end padding stripped from the world tensors)",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         return upstream_saves_every_bucket_right()

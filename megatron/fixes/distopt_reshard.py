@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 #: The part of upstream's refusal (``load_checkpoint``) that names the flag that changes nothing.
 UPSTREAM_ADVICE = "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving."
@@ -100,7 +100,6 @@ class DistOptReshardFix(Fix):
         "--ckpt-fully-parallel-save",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         from megatron.training import checkpointing

@@ -14,8 +14,8 @@ import inspect
 
 import torch
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 
 class DistOptResumeFix(Fix):
@@ -23,7 +23,6 @@ class DistOptResumeFix(Fix):
     title = "distributed-optimizer resume without apex/TE and with fp32 params"
     upstream_refs = ("megatron-core DistributedOptimizer.state_dict (non-apex step assertion)",)
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D

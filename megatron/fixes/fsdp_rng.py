@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 
 def upstream_keys_by_rank_without_groups() -> bool:
@@ -65,7 +65,6 @@ class FsdpRngFix(Fix):
         "on every rank",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         return upstream_keys_by_rank_without_groups()

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 _BARE_PERCENT = re.compile(r"%(?!\(\w+\)[a-z]|%)")
 
@@ -61,7 +61,6 @@ class HelpTextFix(Fix):
         "megatron-core arguments.py --moe-paged-stash-buffer-size-factor-cuda help '10%)'",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         from megatron.training import arguments

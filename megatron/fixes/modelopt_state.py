@@ -23,8 +23,8 @@ import logging
 import sys
 from typing import Any, Callable
 
-from megatron.fixes.base import Fix
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay import Fix
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,6 @@ class ModeloptStateFix(Fix):
         "megatron-core save_checkpoint: 'Local checkpointing does not support nvidia_modelopt'",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         """Upstream behaves if its ModelOpt guard import succeeds and its local save keeps the

@@ -17,8 +17,8 @@ import inspect
 import os
 from typing import Any, Optional
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 
 def run_non_persistent_iteration(
@@ -65,7 +65,6 @@ class PretrainedRedirectFix(Fix):
         "megatron-core load_checkpoint: checkpoint_exists() reads only the persistent tracker",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         from megatron.training import checkpointing as ckpt

@@ -19,8 +19,8 @@ import inspect
 import logging
 from typing import Any
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patcher
+from megatron.overlay.registry import wraps_upstream
 
 logger = logging.getLogger("megatron.fixes")
 
@@ -79,7 +79,6 @@ class RngStateEpFix(Fix):
     )
     upstream_refs = ("Megatron-LM PR 6858 (get_rng_state keys rng_state by (PP, TP) only)",)
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         from megatron.training import checkpointing

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import inspect
 
-from megatron.fixes.base import Fix, Patcher
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay import Fix, Patch
+from megatron.overlay.registry import wraps_upstream
 
 _DEFECT = "should_reset = not is_first_iteration\n"
 
@@ -29,6 +29,35 @@ def first_line_is_interval_line(iteration: int, log_interval: int | None) -> boo
     return iteration % max(1, int(log_interval or 1)) == 0
 
 
+def wrap_training_log(upstream):
+    """Factory of the replacement of ``megatron.training.training.training_log``: upstream's, with
+    ``is_first_iteration`` False on interval boundaries (:func:`first_line_is_interval_line`)."""
+    from megatron.training import global_vars
+
+    position = list(inspect.signature(upstream).parameters).index("is_first_iteration")
+
+    @wraps_upstream(upstream)
+    def training_log(*args, **kwargs):
+        """Upstream's, with ``is_first_iteration`` False on interval boundaries."""
+        iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
+        if len(args) > position:
+            first = args[position]
+        else:
+            first = kwargs.get("is_first_iteration", False)
+        if (
+            first
+            and iteration is not None
+            and first_line_is_interval_line(iteration, global_vars.get_args().log_interval)
+        ):
+            if len(args) > position:
+                args = args[:position] + (False,) + args[position + 1 :]
+            else:
+                kwargs["is_first_iteration"] = False
+        return upstream(*args, **kwargs)
+
+    return training_log
+
+
 class TrainingLogFix(Fix):
     name = "training_log"
     title = "printed loss of the first interval line after a start is reset like every other"
@@ -36,45 +65,21 @@ class TrainingLogFix(Fix):
         "megatron-core training.py training_log: should_reset = not is_first_iteration",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
+
+    patches = (
+        Patch(
+            "megatron.training.training.training_log",
+            wrap_training_log,
+            "the first log line after a start is not reset even when it is an interval "
+            "line, so the next printed loss and time average two intervals",
+            params=("iteration", "is_first_iteration"),
+        ),
+    )
 
     def upstream_behaves(self) -> bool:
         from megatron.training import training
 
         return _DEFECT not in inspect.getsource(training.training_log)
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.training import global_vars, training
-
-        upstream = training.training_log
-        position = list(inspect.signature(upstream).parameters).index("is_first_iteration")
-
-        @wraps_upstream(upstream)
-        def training_log(*args, **kwargs):
-            """Upstream's, with ``is_first_iteration`` False on interval boundaries."""
-            iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
-            if len(args) > position:
-                first = args[position]
-            else:
-                first = kwargs.get("is_first_iteration", False)
-            if (
-                first
-                and iteration is not None
-                and first_line_is_interval_line(iteration, global_vars.get_args().log_interval)
-            ):
-                if len(args) > position:
-                    args = args[:position] + (False,) + args[position + 1 :]
-                else:
-                    kwargs["is_first_iteration"] = False
-            return upstream(*args, **kwargs)
-
-        patcher.replace(
-            training,
-            "training_log",
-            training_log,
-            "the first log line after a start is not reset even when it is an interval "
-            "line, so the next printed loss and time average two intervals",
-        )
 
 
 FIX = TrainingLogFix()

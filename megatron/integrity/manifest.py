@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron.integrity import collective
+from megatron.overlay import collective
 from megatron.integrity.file_digest import (
     ALGORITHM,
     BLOCK_BYTES,

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron.integrity.collective import RankFailures
+from megatron.overlay.collective import RankFailures
 
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 

@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 _installed: dict[str, object] = {}
 _PATCHER = Patcher("loss_log")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 from megatron.integrity import manifest as mf
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.training_ext.console import write_line

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 from megatron.integrity import state_digest as sd
 from megatron.training_ext.console import write_line
 

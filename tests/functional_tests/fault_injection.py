@@ -11,7 +11,7 @@ Environment variables (none set: nothing is installed):
 * ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``: ``SIGKILL`` during a local save
   (:func:`parse_local_save_kill`, :func:`install_local_save_kill`).
 
-Every replacement goes through :mod:`megatron.fixes.registry` (owner ``fault_injection``);
+Every replacement goes through :mod:`megatron.overlay.registry` (owner ``fault_injection``);
 :func:`uninstall` restores them. Messages are printed as ``[fault-injection] ...`` lines.
 """
 
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 from megatron.training_ext.console import write_line
 
 ENV_FAULT = "MEGATRON_TEST_FAULT"

@@ -28,7 +28,7 @@ if __name__ == "__main__":  # not in processes that re-import __main__ (multipro
     megatron.fixes.apply()
     fork_args.prepare_cpu_backend(sys.argv)  # activates megatron.cpu and adds its flags
 
-from megatron.fixes.registry import Patcher, wraps_upstream  # noqa: E402
+from megatron.overlay.registry import Patcher, wraps_upstream  # noqa: E402
 
 if __name__ != "__mp_main__":  # as pretrain_gpt.SPAWNED: spawned processes need none of these
     import pretrain_gpt  # (imports upstream's training modules)

@@ -8,7 +8,7 @@ import types
 import pytest
 
 import megatron.fixes as fixes
-from megatron.fixes.base import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
+from megatron.overlay import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
 from tests.helpers.dist import run_python
 
 
@@ -17,16 +17,18 @@ class _Fake(Fix):
     title = "fake fix for tests"
     upstream_refs = ("test",)
     package = "megatron-core"
-    supported = "==0.19.2"
+    proven = "==0.19.2"
+    # not a declared Patch: its patch point cannot be checked, so outside the proven versions a
+    # defect-showing probe is refused rather than patched blindly
     patches = (PatchSpec("target.attr", "replacement", "why"),)
 
-    def __init__(self, behaves=False, supported=None, package=None):
+    def __init__(self, behaves=False, proven=None, package=None):
         super().__init__()
         self.behaves = behaves
         self.installs = 0
         self.target = types.SimpleNamespace(attr="original")
-        if supported:
-            self.supported = supported
+        if proven:
+            self.proven = proven
         if package:
             self.package = package
 
@@ -48,7 +50,7 @@ def test_apply_is_idempotent_and_reset_restores():
 
 
 def test_unsupported_version_is_a_clear_error():
-    fix = _Fake(supported="==0.1.0")
+    fix = _Fake(proven="==0.1.0")
     with pytest.raises(
         UnsupportedUpstreamError, match=r"megatron-core==0\.1\.0.*0\.19\.2 is installed"
     ):
@@ -57,7 +59,7 @@ def test_unsupported_version_is_a_clear_error():
 
 
 def test_stands_aside_when_upstream_behaves():
-    fix = _Fake(behaves=True, supported="==0.1.0")  # even outside the pin: nothing to fix
+    fix = _Fake(behaves=True, proven="==0.1.0")  # even outside the pin: nothing to fix
     assert fix.apply() is FixStatus.STANDS_ASIDE
     assert fix.installs == 0 and fix.target.attr == "original"
 

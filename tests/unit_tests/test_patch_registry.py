@@ -1,4 +1,4 @@
-"""megatron.fixes.registry: every replacement of an upstream attribute is recorded (target,
+"""megatron.overlay.registry: every replacement of an upstream attribute is recorded (target,
 replacement, owner, why, adds-attribute, stacking), undone by owner, and listed by
 ``python -m megatron.fixes --json``; the entrypoint's setup makes no replacement outside it."""
 
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from megatron.fixes.registry import Patcher, PatchRegistry, wraps_upstream
+from megatron.overlay.registry import Patcher, PatchRegistry, wraps_upstream
 from tests.helpers.dist import run_python
 
 
@@ -111,7 +111,7 @@ _SETUP_SCRIPT = textwrap.dedent(
     megatron.fixes.apply()
     from megatron.fixes.__main__ import install_components
     install_components()
-    from megatron.fixes.registry import REGISTRY
+    from megatron.overlay.registry import REGISTRY
 
     def ours(v):
         v = getattr(v, "__func__", v)

@@ -1,5 +1,5 @@
 """Fix group ``fsdp_dtensor``: Megatron-FSDP checkpoints (``--use-megatron-fsdp --ckpt-format
-fsdp_dtensor``) of megatron-core 0.19.2. Each part is its own :class:`~megatron.fixes.base.Fix`
+fsdp_dtensor``) of megatron-core 0.19.2. Each part is its own :class:`~megatron.overlay.fix.Fix`
 and stands aside on its own when the installed upstream already behaves:
 
 * :mod:`.layout`: fused MLA down projection and MTP layers are saved in the unfused layout, with
@@ -16,7 +16,7 @@ Design notes: ``docs/fixes/fsdp_dtensor.md``.
 
 from __future__ import annotations
 
-from megatron.fixes.base import FixGroup
+from megatron.overlay import FixGroup
 from megatron.fixes.fsdp_dtensor.empty_shards import (
     EmptyShardsFix,
     StepAgreement,
@@ -130,7 +130,6 @@ class FsdpDTensorFix(FixGroup):
         "optimizer state, ranks issue different collectives)",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def __init__(self) -> None:
         self.empty_shards = EmptyShardsFix()

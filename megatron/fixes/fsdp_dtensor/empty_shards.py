@@ -18,9 +18,9 @@ from typing import Iterable
 
 import torch
 
-from megatron.fixes.base import Fix
+from megatron.overlay import Fix
 from megatron.fixes.fsdp_dtensor.probes import upstream_of
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 #: torch optimizers that keep ``step`` per parameter (in ``state[param]['step']``).
 _PER_PARAM_STEP = (torch.optim.Adam, torch.optim.AdamW)
@@ -189,7 +189,6 @@ class EmptyShardsFix(Fix):
         "optimizer state, ranks issue different collectives)",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         return upstream_keeps_empty_shard_state()

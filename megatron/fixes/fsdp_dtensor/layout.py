@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron.fixes.base import Fix
+from megatron.overlay import Fix
 from megatron.fixes.fsdp_dtensor.probes import module_calls, upstream_function
 from megatron.fixes.fsdp_dtensor.sections import (
     FUSED,
@@ -32,7 +32,7 @@ from megatron.fixes.fsdp_dtensor.sections import (
     join_key,
     split_fused,
 )
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger("megatron.fixes.fsdp_dtensor")
 
@@ -447,7 +447,6 @@ class MlaMtpLayoutFix(Fix):
     )
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         return upstream_handles_layout()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from megatron.fixes.base import Fix
+from megatron.overlay import Fix
 from megatron.fixes.fsdp_dtensor.layout import (
     MTP_LIVE,
     NEW_LAYOUT,
@@ -31,7 +31,7 @@ from megatron.fixes.fsdp_dtensor.layout import (
     upstream_handles_layout,
 )
 from megatron.fixes.fsdp_dtensor.sections import FUSED, KV_SECTION, Q_SECTION, join_key
-from megatron.fixes.registry import Patcher
+from megatron.overlay.registry import Patcher
 
 
 def metadata_keys(metadata) -> Mapping:
@@ -207,7 +207,6 @@ class LegacyPlannerFix(Fix):
     )
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         """True when upstream writes the fixed layout itself: this part only re-addresses

@@ -6,7 +6,7 @@ INFO): every model weight the checkpoint lacks silently keeps its initial value.
 :func:`validate_fsdp_dtensor_model_load` backports upstream's later function of that name;
 :class:`StrictnessFix` wraps ``print_diff_in_state_dicts`` (called only in the partial-load branch
 of ``_load_base_checkpoint``) to run it on the request in the checkpoint's layout. In a raising
-mode every rank raises together (:mod:`megatron.integrity.collective`), none is left alone in the
+mode every rank raises together (:mod:`megatron.overlay.collective`), none is left alone in the
 load's collectives.
 """
 
@@ -15,12 +15,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Mapping
 
-from megatron.fixes.base import Fix
+from megatron.overlay import Fix
 from megatron.fixes.fsdp_dtensor.layout import logger
 from megatron.fixes.fsdp_dtensor.legacy_planner import metadata_keys, resolve_layout
 from megatron.fixes.fsdp_dtensor.probes import module_calls, upstream_function
-from megatron.fixes.registry import Patcher, wraps_upstream
-from megatron.integrity.collective import RankFailures, agree_on_failures
+from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay.collective import RankFailures, agree_on_failures
 
 STRICTNESS_MODES = (
     "assume_ok_unexpected",
@@ -69,7 +69,7 @@ def _describe(keys: Iterable[str]) -> str:
 @functools.cache
 def partial_load_error() -> type:
     """The class ``PartialLoadError``: upstream's ``CheckpointingException`` that is also a
-    :class:`~megatron.integrity.collective.RankFailures` (``failures``: rank -> its message).
+    :class:`~megatron.overlay.collective.RankFailures` (``failures``: rank -> its message).
     Made on first use, so that importing this module does not import megatron-core."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
@@ -233,7 +233,6 @@ class StrictnessFix(Fix):
     )
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """ModelOpt-quantized MoE models in Megatron checkpoints (ModelOpt issue 2209): the fix group
 ``modelopt_moe`` (one name for ``$MEGATRON_FIXES_DISABLE``).
 
-Its parts, each a :class:`~megatron.fixes.base.Fix` with its own pin and capability probe (a part
+Its parts, each a :class:`~megatron.overlay.fix.Fix` with its own pin and capability probe (a part
 stands aside on its own when upstream behaves for it):
 
 * :mod:`.expert_sharding`: quantizer tensors of expert linears sharded over ETP/EP/EDP;
@@ -18,7 +18,7 @@ User helpers (summary, restore): :mod:`megatron.training_ext.modelopt`. Design n
 from __future__ import annotations
 
 from megatron.fixes import modelopt_state
-from megatron.fixes.base import FixGroup
+from megatron.overlay import FixGroup
 from megatron.fixes.modelopt_moe import expert_sharding, extra_state_cuda_sync, legacy_layout
 from megatron.fixes.modelopt_moe.expert_sharding import (
     ExpertCoords,
@@ -52,7 +52,6 @@ class ModeloptMoeFix(FixGroup):
     title = "Per-expert ModelOpt quantizer state: expert-group sharding, layout mapping on load"
     upstream_refs = ("ModelOpt issue 2209",)
     package = "nvidia-modelopt"
-    supported = "==0.47.0"
     parts = (expert_sharding.FIX, legacy_layout.FIX, extra_state_cuda_sync.FIX, modelopt_state.FIX)
 
 

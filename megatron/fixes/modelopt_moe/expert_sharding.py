@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 import torch
 
-from megatron.fixes.base import Fix
+from megatron.overlay import Fix
 from megatron.fixes.modelopt_moe._probe_group import some_process_group
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +338,6 @@ class ExpertQuantizerShardingFix(Fix):
     title = "Quantizer tensors of MoE expert linears sharded over the expert groups"
     upstream_refs = ("ModelOpt issue 2209",)
     package = "nvidia-modelopt"
-    supported = "==0.47.0"
 
     def upstream_behaves(self) -> bool:
         """Upstream behaves if an expert linear's quantizer tensor on ETP rank 1 (dense TP rank 0)

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from megatron.fixes.base import Fix
-from megatron.fixes.registry import Patcher, wraps_upstream
+from megatron.overlay import Fix
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,6 @@ class ExtraStateCudaSyncFix(Fix):
         "nvidia-modelopt _modelopt_get_extra_state: unconditional torch.cuda.synchronize()",
     )
     package = "nvidia-modelopt"
-    supported = "==0.47.0"
 
     def upstream_behaves(self) -> bool:
         """Upstream behaves if its ``_modelopt_get_extra_state`` serialises the state without

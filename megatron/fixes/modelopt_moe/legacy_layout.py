@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron.fixes.base import Fix
+from megatron.overlay import Fix
 from megatron.fixes.modelopt_moe._probe_group import private_process_group
-from megatron.fixes.registry import Patcher, wraps_upstream
-from megatron.integrity import collective
-from megatron.integrity.collective import RankFailures
+from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay import collective
+from megatron.overlay.collective import RankFailures
 from megatron.training_ext.modelopt import checkpoint_tensors
 
 logger = logging.getLogger(__name__)
@@ -414,7 +414,6 @@ class LegacyQuantizerLayoutFix(Fix):
         "megatron-core dist_checkpointing.load resolves requests by exact key",
     )
     package = "megatron-core"
-    supported = "==0.19.2"
 
     def upstream_behaves(self) -> bool:
         """Upstream behaves if its ``load`` fills a per-expert request from a shared-layout

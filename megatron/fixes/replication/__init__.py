@@ -16,8 +16,8 @@ Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; ``_broa
 
 from __future__ import annotations
 
-from megatron.fixes.base import Fix
-from megatron.fixes.registry import Patcher
+from megatron.overlay import Fix
+from megatron.overlay.registry import Patcher
 from megatron.fixes.replication import probe
 from megatron.fixes.replication.convert import (
     UnsupportedTensorError,
@@ -77,7 +77,6 @@ class ReplicationFix(Fix):
     )
     upstream_refs = ("NVRx issue 349", "Megatron-LM issue 5281")
     package = "nvidia-resiliency-ext"
-    supported = "==0.7.0"
 
     def upstream_behaves(self) -> bool:
         """True if the installed upstream ``replicate`` already hands the transport dequantized,

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from megatron.integrity import checksums as ck
-from megatron.integrity.collective import RankFailures
+from megatron.overlay.collective import RankFailures
 from megatron.integrity.tensors import is_quantized
 
 

@@ -19,7 +19,7 @@ from megatron.fixes.replication.plan import comm_device, transport_params
 from megatron.fixes.replication.transport import ReplicaExchange, checksum_algorithm
 from megatron.integrity import checksums as ck
 from megatron.integrity.checksums import ChecksumMismatchError
-from megatron.integrity.collective import RankFailures
+from megatron.overlay.collective import RankFailures
 
 logger = logging.getLogger("megatron.fixes.replication")
 

@@ -27,7 +27,7 @@ from megatron.fixes.replication.plan import (
 )
 from megatron.fixes.replication.replicate import GroupChecksumMismatchError
 from megatron.integrity import checksums as ck
-from megatron.integrity.collective import raise_if_any_failed
+from megatron.overlay.collective import raise_if_any_failed
 
 logger = logging.getLogger("megatron.fixes.replication")
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron.integrity import collective
+from megatron.overlay import collective
 from megatron.integrity._readahead import ReadAhead
 from megatron.integrity.persistent import CheckpointInputError, PersistentCheckpoint
 from megatron.integrity.report import Problem, VerifyReport

@@ -22,7 +22,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
     LocalCheckpointManager,
 )
 
-from megatron.fixes.registry import Patcher
+from megatron.overlay.registry import Patcher
 from megatron.integrity import local_identity
 from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.checks import _finite_flags as _finite_flags  # for tests

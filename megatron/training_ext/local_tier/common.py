@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.integrity import collective, local_layout
+from megatron.overlay import collective, local_layout
 from megatron.training_ext.console import write_line
 
 LOCAL_TIER_BAD_EXIT_CODE = 75

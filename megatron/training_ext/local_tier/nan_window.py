@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron.fixes.registry import wraps_upstream
+from megatron.overlay.registry import wraps_upstream
 from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.common import (
     _NONFINITE_WORDS,

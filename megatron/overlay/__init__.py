@@ -1,0 +1,35 @@
+"""The bottom of the overlay: what every other package here builds on, importing none of them.
+
+* :mod:`.registry`: the one registry of every replaced upstream attribute (``Patcher``).
+* :mod:`.patch`: a patch as data (``Patch``: dotted target, module-level factory, reason).
+* :mod:`.fix`: the unit of change (``Fix``, ``FixGroup``): references, proven versions,
+  behavioural probe, patches, and the verdict on any upstream.
+* :mod:`.pins`: the upstream releases written against and every upstream proven on.
+* :mod:`.errors`: the exception root (``OverlayError``).
+* :mod:`.collective`: all ranks agree on failures before any raises (``RankFailures``).
+
+Layering (``docs/layout.md``): overlay < integrity < fixes < cpu < training_ext < entrypoints.
+"""
+
+from megatron.overlay.errors import OverlayError, UnsupportedUpstreamError
+from megatron.overlay.fix import Fix, FixGroup, FixStatus, PatchSpec
+from megatron.overlay.patch import Patch, alias_of, current, resolve
+from megatron.overlay.registry import REGISTRY, Patcher, PatchRecord, replace, wraps_upstream
+
+__all__ = [
+    "REGISTRY",
+    "Fix",
+    "FixGroup",
+    "FixStatus",
+    "OverlayError",
+    "Patch",
+    "PatchRecord",
+    "PatchSpec",
+    "Patcher",
+    "UnsupportedUpstreamError",
+    "alias_of",
+    "current",
+    "replace",
+    "resolve",
+    "wraps_upstream",
+]

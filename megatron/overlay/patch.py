@@ -1,0 +1,134 @@
+"""A patch as data: which upstream attribute, the module-level factory that builds its
+replacement from the original, and why.
+
+``Patch("megatron.training.training.training_log", wrap_training_log, why="...")`` names its
+target as a dotted string, so that a listing, the disable switches and the docs table are read off
+the declarations without installing anything, and so that a fix can check its patch points (the
+target exists and takes the parameters the wrapper relies on) before it patches an upstream it was
+not proven on. Installing goes through :class:`megatron.overlay.registry.Patcher`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from megatron.overlay.registry import Patcher
+
+__all__ = ["Patch", "alias_of", "current", "resolve"]
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of an upstream attribute, declared.
+
+    Attributes:
+        target: dotted path of the upstream attribute: a module path, then attribute names
+            (``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict``).
+        factory: module-level callable ``factory(original) -> replacement``; ``original`` is the
+            attribute's value when the patch is installed (``None`` when ``adds`` is set).
+        why: one sentence: the defect the replacement removes (shown by ``python -m
+            megatron.fixes``).
+        params: parameter names the replacement relies on in the original's signature; a patch
+            point whose signature lacks one has changed upstream (checked by :meth:`check`).
+        adds: the attribute does not exist upstream; the patch adds it.
+    """
+
+    target: str
+    factory: Callable[[Any], Any]
+    why: str
+    params: tuple[str, ...] = field(default=())
+    adds: bool = False
+
+    @property
+    def attribute(self) -> str:
+        """The last component of :attr:`target`."""
+        return self.target.rsplit(".", 1)[1]
+
+    def check(self) -> str | None:
+        """``None`` when the patch point is as expected, else what changed (one sentence).
+
+        Imports the target's module. Never raises for a missing or changed target."""
+        try:
+            owner, name = resolve(self.target)
+        except (ImportError, AttributeError) as exc:
+            return f"{self.target} cannot be resolved ({type(exc).__name__}: {exc})"
+        value = getattr(owner, name, _MISSING)
+        if value is _MISSING:
+            return None if self.adds else f"{self.target} does not exist"
+        if self.params:
+            try:
+                have = inspect.signature(inspect.unwrap(value)).parameters
+            except (TypeError, ValueError):
+                return f"{self.target} has no inspectable signature"
+            lost = [p for p in self.params if p not in have]
+            if lost:
+                return f"{self.target} no longer takes {', '.join(lost)}"
+        return None
+
+    def install(self, patcher: Patcher) -> Any:
+        """Resolve the target, build the replacement from the current value and put it in place
+        through ``patcher`` (recorded in the registry). Returns the replacement.
+
+        Raises:
+            ImportError, AttributeError: the target cannot be resolved.
+        """
+        owner, name = resolve(self.target)
+        original = getattr(owner, name, None)
+        new = self.factory(original)
+        patcher.replace(owner, name, new, self.why)
+        return new
+
+
+def resolve(target: str) -> tuple[Any, str]:
+    """``(object holding the attribute, attribute name)`` for a dotted ``target``: the longest
+    importable module prefix, then ``getattr`` along the rest.
+
+    Raises:
+        ImportError: no prefix of ``target`` imports.
+        AttributeError: an intermediate attribute is missing.
+        ValueError: ``target`` has no dot.
+    """
+    if "." not in target:
+        raise ValueError(f"patch target {target!r} must be a dotted path (module.attribute)")
+    parts = target.split(".")
+    module = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        rest = parts[i:]
+        break
+    if module is None:
+        raise ImportError(f"no module of {target!r} can be imported")
+    owner: Any = module
+    for name in rest[:-1]:
+        owner = getattr(owner, name)
+    return owner, rest[-1]
+
+
+def current(target: str) -> Any:
+    """The live value of ``target`` (after any patches already installed).
+
+    Raises:
+        ImportError, AttributeError: as :func:`resolve`, or the attribute is missing.
+    """
+    owner, name = resolve(target)
+    return getattr(owner, name)
+
+
+def alias_of(target: str) -> Callable[[Any], Any]:
+    """A factory for a patch of a name that imported ``target`` (``from m import f``): the
+    replacement is whatever ``target`` holds when the alias is patched (declare it after the patch
+    of ``target``), so both names reach the same object."""
+
+    def same_object(_original: Any) -> Any:
+        return current(target)
+
+    same_object.__qualname__ = f"alias_of({target})"
+    return same_object
