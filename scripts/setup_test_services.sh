@@ -7,7 +7,7 @@
 #
 # Idempotent: with everything installed it only runs `command -v` (well under a second).
 # Nothing is started or configured system-wide: the test harness
-# (tests/functional_tests/slurm_harness.py) runs munged/slurmctld/slurmd itself, as its own child
+# (tests/helpers/slurm_harness.py) runs munged/slurmctld/slurmd itself, as its own child
 # processes, with a private key, socket, config and scratch directories, on 127.0.0.1 only.
 # Where the packages cannot be installed (no apt-get, no root, no network) this script says so and
 # exits 0, and test_slurm.py skips with the reason; set SETUP_TEST_SERVICES_STRICT=1 to make that

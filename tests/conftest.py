@@ -2,7 +2,7 @@
 need Transformer Engine and/or several GPUs and run only with ``MEGATRON_CLUSTER_TESTS=1``.
 
 The launch budget: the session fails when it started more real launcher processes (``torchrun``,
-``ft_launcher``, launch scripts; counted by ``tests/functional_tests/launch.py``) than
+``ft_launcher``, launch scripts; counted by ``tests/helpers/launch.py``) than
 :data:`REAL_LAUNCH_BUDGET`. A new functional test launches through the forked launcher
 (``run_pretrain``'s default on CPU), or raises the budget with its reason in ``tests/README.md``.
 """
@@ -18,13 +18,26 @@ REAL_LAUNCH_BUDGET = 40
 
 
 def pytest_collection_modifyitems(config, items):
+    import importlib.metadata
+
     import torch
+    from packaging.requirements import Requirement
 
     has_cuda = torch.cuda.is_available()
     cluster = os.environ.get("MEGATRON_CLUSTER_TESTS") == "1"
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        for mark in [*item.iter_markers("upstream_defect"), *item.iter_markers("fixed_upstream")]:
+            req = Requirement(mark.args[0].replace(" ", ""))
+            try:
+                installed = importlib.metadata.version(req.name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            if req.specifier.contains(installed, prereleases=True):
+                item.add_marker(
+                    pytest.mark.xfail(strict=True, reason=f"{mark.args[0]}: {mark.args[1]}")
+                )
         if "cluster" in item.keywords and not cluster:
             item.add_marker(
                 pytest.mark.skip(
@@ -35,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _launch_counts():
-    launch = sys.modules.get("tests.functional_tests.launch")
+    launch = sys.modules.get("tests.helpers.launch")
     if launch is None:
         return None
     return launch.REAL_LAUNCHES, launch.FORKED_LAUNCHES

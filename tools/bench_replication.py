@@ -104,7 +104,7 @@ def hash_table(device: str, sizes_mib, reps: int) -> list:
             pass
         cands["sha256 (hashlib)"] = lambda t, mv: hashlib.sha256(mv).digest()
         cands["pmix64 (torch ops)"] = lambda t, mv: dh.pmix64_tensor(t, "torch")
-        sync = lambda: None  # noqa: E731
+        sync = lambda: None
     else:
         cands["pmix64 (Triton)"] = lambda t, mv: dh.pmix64_tensor(t, "triton")
         cands["pmix64 (torch ops)"] = lambda t, mv: dh.pmix64_tensor(t, "torch")
@@ -116,9 +116,9 @@ def hash_table(device: str, sizes_mib, reps: int) -> list:
         dst = torch.empty_like(src)
         mv = memoryview(src.numpy()) if device == "cpu" else None
         if device == "cpu":
-            copy = lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # noqa: E731, B023 (called in this iteration)
+            copy = lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)  # noqa: B023 (called in this iteration)
         else:
-            copy = lambda: dst.copy_(src)  # noqa: E731, B023 (called in this iteration)
+            copy = lambda: dst.copy_(src)  # noqa: B023 (called in this iteration)
         # repeat small chunks so each timing covers >= 64 MiB (cache-resident chunk, hot loop)
         inner = max(1, int(64 // mib))
         timings = {name: [] for name in ["copy", *cands]}

@@ -201,7 +201,7 @@ def _verify_worker(rank: int, world: int, port: int, root: str, conn) -> None:
     )
     import torch.distributed as dist
 
-    from megatron.integrity.verify import verify_checkpoint
+    from megatron.verify import verify_checkpoint
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     a = p.parse_args(argv)
 
-    from megatron.integrity.report import format_table
+    from megatron.verify.report import format_table
 
     need = a.size_gb * 1.5e9 * 1.1
     free = shutil.disk_usage(a.dir).free
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
             f"in {time.perf_counter() - t:.0f} s",
             flush=True,
         )
-        from megatron.integrity.verify import verify_checkpoint
+        from megatron.verify import verify_checkpoint
 
         group = VerifyGroup(root, 2)
         can_drop = drop_caches()

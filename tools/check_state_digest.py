@@ -55,21 +55,22 @@ def check(checkpoint_dir: str, progress: bool = True) -> dict:
         not in the files).
 
     Raises:
-        FileNotFoundError: no ``.metadata`` or no ``state_digest.json``.
+        FileNotFoundError: no ``state_digest.json``.
+        DcpMetadataError: ``.metadata`` is absent or unreadable (a ``ValueError``).
     """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from megatron.integrity import state_digest as sd
+    from megatron.integrity.dcp_metadata import read_dcp_metadata
     from megatron.integrity.state_digest import read_digest
 
     t0 = time.perf_counter()
     record = read_digest(checkpoint_dir)
     if record is None:
         raise FileNotFoundError(f"{checkpoint_dir}: no state_digest.json (saved without a digest)")
-    reader = dcp.FileSystemReader(checkpoint_dir)
-    meta = reader.read_metadata()
+    meta = read_dcp_metadata(checkpoint_dir)
     stored = {
         k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
     }

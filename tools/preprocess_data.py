@@ -164,7 +164,7 @@ def build_tokenizer(args: argparse.Namespace):
             f"--tokenizer-type {args.tokenizer_type} needs the Python package "
             f"{e.name!r}: pip install {e.name}"
         ) from e
-    except Exception as e:  # noqa: BLE001 - any build failure is reported the same way
+    except Exception as e:
         raise PreprocessError(f"--tokenizer-type {args.tokenizer_type} did not build: {e}") from e
 
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 if __name__ == "__main__":  # run as a script: the repository root (pretrain_gpt, megatron.fixes)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import megatron.fixes  # noqa: E402
-from megatron.training_ext import args as fork_args  # noqa: E402
+import megatron.fixes
+from megatron.training_ext import args as fork_args
 
 if __name__ == "__main__":
     megatron.fixes.apply()

@@ -46,7 +46,7 @@ Output: a summary (files, tensors compared / equal / mismatched, bytes, checksum
 local iterations (complete and consistent, or why not) and the newest complete and consistent one, a
 table of bad shards per key (numeric key segments normalised to ``*``; primary / replica /
 persistent counts; owner and holder ranks), the problems and warnings. The JSON report is
-documented in :mod:`megatron.integrity.report`.
+documented in :mod:`megatron.verify.report`.
 
 Both tiers at the same iteration from ``pretrain_gpt.py``: when both intervals hit, the loop saves
 only the persistent checkpoint; but after the last iteration it saves a persistent one unless
@@ -59,8 +59,8 @@ NaN/Inf, ...; warnings do not count), 2 bad input (missing directory, no checkpo
 iteration mismatch, unsupported format, a ``--json`` path that cannot be written), found before
 any file is checked where it can be.
 
-Library: :func:`megatron.integrity.verify.verify_checkpoint` with
-:class:`megatron.integrity.verify.VerifyOptions`; design notes: ``docs/verify.md``.
+Library: :func:`megatron.verify.verify_checkpoint` with
+:class:`megatron.verify.VerifyOptions`; design notes: ``docs/verify.md``.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megatron.integrity.verify import CheckpointInputError, VerifyOptions, verify_checkpoint
+    from megatron.verify import CheckpointInputError, VerifyOptions, verify_checkpoint
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None

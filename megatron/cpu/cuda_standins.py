@@ -16,7 +16,7 @@ import torch
 # ----------------------------------------------------------------------------------------------
 # The "CUDA" RNG stand-in
 # ----------------------------------------------------------------------------------------------
-_CUDA_GENERATOR = torch.Generator(device="cpu")
+CUDA_GENERATOR = torch.Generator(device="cpu")
 
 
 @contextlib.contextmanager
@@ -29,34 +29,34 @@ def cuda_generator_as_default():
     """
     cpu = torch.default_generator
     saved = cpu.get_state()
-    cpu.set_state(_CUDA_GENERATOR.get_state())
+    cpu.set_state(CUDA_GENERATOR.get_state())
     try:
         yield
     finally:
-        _CUDA_GENERATOR.set_state(cpu.get_state())
+        CUDA_GENERATOR.set_state(cpu.get_state())
         cpu.set_state(saved)
 
 
 def _cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
-    return _CUDA_GENERATOR.get_state()
+    return CUDA_GENERATOR.get_state()
 
 
 def _cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    _CUDA_GENERATOR.set_state(
+    CUDA_GENERATOR.set_state(
         new_state.to("cpu", torch.uint8) if new_state.dtype != torch.uint8 else new_state
     )
 
 
 def _cuda_manual_seed(seed: int) -> None:
-    _CUDA_GENERATOR.manual_seed(int(seed))
+    CUDA_GENERATOR.manual_seed(int(seed))
 
 
 def _cuda_seed() -> None:
-    _CUDA_GENERATOR.seed()
+    CUDA_GENERATOR.seed()
 
 
 def _cuda_initial_seed() -> int:
-    return _CUDA_GENERATOR.initial_seed()
+    return CUDA_GENERATOR.initial_seed()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def _device_properties(device: Any = None) -> types.SimpleNamespace:
         import psutil
 
         total = psutil.virtual_memory().total
-    except Exception:  # pragma: no cover - psutil is an NVRx dependency
+    except Exception:  # noqa: BLE001 - pragma: no cover - psutil is an NVRx dependency
         total = 0
     return types.SimpleNamespace(
         name="cpu (megatron.cpu stand-in)",
@@ -144,7 +144,7 @@ def _mem_get_info(device: Any = None) -> tuple[int, int]:
     return vm.available, vm.total
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
+def noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -152,16 +152,16 @@ def _zero(*args: Any, **kwargs: Any) -> int:
     return 0
 
 
-_CUDA_STANDINS: dict[str, Any] = {
+CUDA_STANDINS: dict[str, Any] = {
     "device_count": lambda: 1,
     "current_device": lambda: 0,
-    "set_device": _noop,
-    "synchronize": _noop,
+    "set_device": noop,
+    "synchronize": noop,
     "Stream": _Stream,
     "Event": _Event,
     "current_stream": lambda device=None: _Stream(),
     "default_stream": lambda device=None: _Stream(),
-    "set_stream": _noop,
+    "set_stream": noop,
     "stream": lambda stream=None: contextlib.nullcontext(),
     "memory_allocated": _zero,
     "max_memory_allocated": _zero,
@@ -169,10 +169,10 @@ _CUDA_STANDINS: dict[str, Any] = {
     "max_memory_reserved": _zero,
     "memory_stats": lambda device=None: {},
     "memory_summary": lambda *a, **k: "(cpu backend: no CUDA memory)",
-    "reset_peak_memory_stats": _noop,
-    "reset_max_memory_allocated": _noop,
-    "empty_cache": _noop,
-    "ipc_collect": _noop,
+    "reset_peak_memory_stats": noop,
+    "reset_max_memory_allocated": noop,
+    "empty_cache": noop,
+    "ipc_collect": noop,
     "mem_get_info": _mem_get_info,
     "get_device_properties": _device_properties,
     "get_device_capability": lambda device=None: (0, 0),
@@ -184,9 +184,9 @@ _CUDA_STANDINS: dict[str, Any] = {
     "seed": _cuda_seed,
     "seed_all": _cuda_seed,
     "initial_seed": _cuda_initial_seed,
-    "default_generators": (_CUDA_GENERATOR,),
+    "default_generators": (CUDA_GENERATOR,),
 }
-_CUDA_RANDOM_STANDINS = (
+CUDA_RANDOM_STANDINS = (
     "get_rng_state",
     "set_rng_state",
     "manual_seed",

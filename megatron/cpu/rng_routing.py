@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 #: Namespaces whose attribute of an aten op's name is that op's Python binding.
-_BINDING_NAMESPACES = (
+BINDING_NAMESPACES = (
     torch,
     torch.Tensor,
     torch.nn.functional,
@@ -71,7 +71,7 @@ def random_callables() -> frozenset:
     ``torch.rand``/``_standard_gamma``/... at the top level, where the mode sees them."""
     seeded = seeded_aten_ops()
     out = set()
-    for ns in _BINDING_NAMESPACES:
+    for ns in BINDING_NAMESPACES:
         for name in seeded:
             f = getattr(ns, name, None)
             if callable(f):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import types
 import weakref
 from typing import Any
@@ -26,18 +25,18 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron.cpu.cuda_standins import (  # re-exported: tests, callers
-    _CUDA_GENERATOR,
-    _CUDA_RANDOM_STANDINS,
-    _CUDA_STANDINS,
-    _noop,
+    CUDA_GENERATOR,
+    CUDA_RANDOM_STANDINS,
+    CUDA_STANDINS,
     cuda_generator_as_default,
+    noop,
 )
 from megatron.cpu.rng_routing import (  # noqa: F401  (re-exported: tests, callers)
-    _BINDING_NAMESPACES,
+    BINDING_NAMESPACES,
     random_callables,
     seeded_aten_ops,
 )
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay import Patch, Patcher, alias_of, value, wraps_upstream
 
 logger = logging.getLogger("megatron.cpu")
 
@@ -249,12 +248,8 @@ def _mode_on_stack() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Megatron-level patches
 # ----------------------------------------------------------------------------------------------
-def _install_megatron_patches(p: Patcher) -> None:
-    import megatron.core.datasets.utils as ds_utils
-    import megatron.core.tensor_parallel.random as tp_random
-    import megatron.training.training as training
-
-    upstream_init = training.initialize_megatron
+def wrap_initialize_megatron(upstream_init):
+    """Factory: upstream's ``initialize_megatron`` with ``allow_no_cuda=True``."""
 
     @wraps_upstream(upstream_init)
     def initialize_megatron(*args, **kwargs):
@@ -262,14 +257,11 @@ def _install_megatron_patches(p: Patcher) -> None:
         kwargs["allow_no_cuda"] = True
         return upstream_init(*args, **kwargs)
 
-    p.replace(
-        training,
-        "initialize_megatron",
-        initialize_megatron,
-        "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed",
-    )
+    return initialize_megatron
 
-    upstream_ipg = torch.distributed.init_process_group
+
+def wrap_init_process_group(upstream_ipg):
+    """Factory: ``torch.distributed.init_process_group`` without a CUDA ``device_id``."""
 
     @wraps_upstream(upstream_ipg)
     def init_process_group(*args, **kwargs):
@@ -280,14 +272,11 @@ def _install_megatron_patches(p: Patcher) -> None:
             kwargs.pop("device_id")
         return upstream_ipg(*args, **kwargs)
 
-    p.replace(
-        torch.distributed,
-        "init_process_group",
-        init_process_group,
-        "_initialize_distributed binds the gloo process group to cuda:<local_rank>",
-    )
+    return init_process_group
 
-    upstream_compile = ds_utils.compile_helpers
+
+def wrap_compile_helpers(upstream_compile):
+    """Factory: no ``make`` when the prebuilt ``helpers_cpp`` imports."""
 
     @wraps_upstream(upstream_compile)
     def compile_helpers():
@@ -298,28 +287,16 @@ def _install_megatron_patches(p: Patcher) -> None:
             return upstream_compile()
         _log_once("compile_helpers (prebuilt helpers_cpp used)")
 
-    p.replace(
-        ds_utils,
-        "compile_helpers",
-        compile_helpers,
-        "the wheel ships helpers_cpp prebuilt and no Makefile, so upstream's `make` fails",
-    )
+    return compile_helpers
 
-    def lazy_call(callback):
-        """Run ``callback`` now (CPU backend: CUDA never initialises)."""
-        callback()
 
-    p.replace(
-        tp_random,
-        "_lazy_call",
-        lazy_call,
-        "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever on CPU",
-    )
+def lazy_call(callback):
+    """Run ``callback`` now (CPU backend: CUDA never initialises)."""
+    callback()
 
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
-    upstream_move = moe_utils.maybe_move_tensor_to_cpu
+def wrap_maybe_move_tensor_to_cpu(upstream_move):
+    """Factory: upstream's ``maybe_move_tensor_to_cpu``, ``as_numpy`` also for CPU tensors."""
 
     @wraps_upstream(upstream_move)
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
@@ -329,17 +306,88 @@ def _install_megatron_patches(p: Patcher) -> None:
             return tensor.numpy()
         return upstream_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    why = (
-        "MoE all-to-all split sizes stay tensors when is_cuda is False, and the dispatcher "
-        "then fails on them (as_numpy is skipped for CPU tensors)"
-    )
-    p.replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu, why)
-    p.replace(
-        token_dispatcher,
-        "maybe_move_tensor_to_cpu",
-        maybe_move_tensor_to_cpu,
-        why + " (the dispatcher's own binding)",
-    )
+    return maybe_move_tensor_to_cpu
+
+
+def nvtx_range(*args, **kwargs):
+    """No NVTX without CUDA: an empty context."""
+    return contextlib.nullcontext()
+
+
+_MOE_WHY = (
+    "MoE all-to-all split sizes stay tensors when is_cuda is False, and the dispatcher "
+    "then fails on them (as_numpy is skipped for CPU tensors)"
+)
+
+#: Megatron-level patches of the CPU backend (installed by :func:`activate` after the torch.cuda
+#: stand-ins of :func:`declared_patches`).
+MEGATRON_PATCHES = (
+    Patch(
+        "megatron.training.training.initialize_megatron",
+        wrap_initialize_megatron,
+        "pretrain() asserts torch.cuda.is_available() unless allow_no_cuda is passed",
+    ),
+    Patch(
+        "torch.distributed.init_process_group",
+        wrap_init_process_group,
+        "_initialize_distributed binds the gloo process group to cuda:<local_rank>",
+    ),
+    Patch(
+        "megatron.core.datasets.utils.compile_helpers",
+        wrap_compile_helpers,
+        "the wheel ships helpers_cpp prebuilt and no Makefile, so upstream's `make` fails",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random._lazy_call",
+        value(lazy_call),
+        "torch.cuda._lazy_call queues callbacks until CUDA initialises, i.e. forever on CPU",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+        wrap_maybe_move_tensor_to_cpu,
+        _MOE_WHY,
+        params=("tensor", "as_numpy", "record_stream"),
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
+        alias_of("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu"),
+        _MOE_WHY + " (the dispatcher's own binding)",
+    ),
+)
+
+
+def declared_patches() -> tuple[Patch, ...]:
+    """Every patch :func:`activate` installs, in order: the ``torch.cuda`` stand-ins, NVTX no-ops,
+    the function mode's re-entry points, then :data:`MEGATRON_PATCHES`."""
+    standin = "CPU stand-in: upstream calls torch.cuda directly (devices, streams, RNG, memory)"
+    out = [Patch(f"torch.cuda.{n}", value(_unique(v)), standin) for n, v in CUDA_STANDINS.items()]
+    out += [
+        Patch(
+            f"torch.cuda.random.{n}",
+            value(_unique(CUDA_STANDINS[n])),
+            "CPU stand-in: megatron's RNG tracker imports it from torch.cuda.random",
+        )
+        for n in CUDA_RANDOM_STANDINS
+    ]
+    out += [
+        Patch(f"torch.cuda.nvtx.{n}", value(_unique(noop)), "no NVTX without CUDA: a no-op")
+        for n in ("range_push", "range_pop", "mark")
+    ]
+    out += [
+        Patch("torch.cuda.nvtx.range", value(nvtx_range), "no NVTX without CUDA: an empty context"),
+        # Torch function modes are per thread and disabled inside autograd's backward.
+        Patch(
+            "threading.Thread._bootstrap_inner",
+            _in_mode,
+            "torch function modes are per thread: new threads enter the CUDA-to-CPU mode",
+        ),
+        Patch(
+            "torch.autograd.function.BackwardCFunction.apply",
+            _in_mode,
+            "torch function modes are off inside autograd's backward: it re-enters the mode",
+        ),
+    ]
+    return tuple(out) + MEGATRON_PATCHES
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,56 +427,10 @@ def activate() -> None:
     import megatron.core  # noqa: F401  (upstream imports see the real torch.cuda first)
 
     p = Patcher("cpu")
-    for name, value in _CUDA_STANDINS.items():
-        p.replace(
-            torch.cuda,
-            name,
-            _unique(value),
-            "CPU stand-in: upstream calls torch.cuda directly (devices, streams, RNG, memory)",
-        )
-    import torch.cuda.random as cuda_random
-
-    for name in _CUDA_RANDOM_STANDINS:
-        p.replace(
-            cuda_random,
-            name,
-            _unique(_CUDA_STANDINS[name]),
-            "CPU stand-in: megatron's RNG tracker imports it from torch.cuda.random",
-        )
-    try:
-        import torch.cuda.nvtx as nvtx
-
-        for name in ("range_push", "range_pop", "mark"):
-            p.replace(nvtx, name, _unique(_noop), "no NVTX without CUDA: a no-op")
-
-        def nvtx_range(*args, **kwargs):
-            """No NVTX without CUDA: an empty context."""
-            return contextlib.nullcontext()
-
-        p.replace(nvtx, "range", nvtx_range, "no NVTX without CUDA: an empty context")
-    except ImportError:  # pragma: no cover
-        pass
-
-    # Torch function modes are per thread and disabled inside autograd's backward.
-    upstream_bootstrap = threading.Thread._bootstrap_inner
-    p.replace(
-        threading.Thread,
-        "_bootstrap_inner",
-        _in_mode(upstream_bootstrap),
-        "torch function modes are per thread: new threads enter the CUDA-to-CPU mode",
-    )
-    from torch.autograd.function import BackwardCFunction
-
-    p.replace(
-        BackwardCFunction,
-        "apply",
-        _in_mode(BackwardCFunction.apply),
-        "torch function modes are off inside autograd's backward: it re-enters the mode",
-    )
-
-    _install_megatron_patches(p)
+    for patch in declared_patches():
+        patch.install(p)
     _RANDOM[0] = random_callables()
-    _CUDA_GENERATOR.manual_seed(0)
+    CUDA_GENERATOR.manual_seed(0)
     mode = CudaToCpuMode()
     mode.__enter__()
     _state.update(active=True, patcher=p, mode=mode)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay import Patch, Patcher, wraps_upstream
 
 #: Attribute set on an adapted ``GPTModelConfig``: ``{'fuse_down_proj': bool, 'base': spec}``.
 MARK = "_cpu_backend_mla"
@@ -66,15 +66,10 @@ def cpu_transformer_layer_spec(model_cfg, vp_stage: int | None = None):
     )
 
 
-def install() -> None:
-    """Wrap upstream's ``mtp_block_spec`` (idempotent; :func:`reset` undoes it)."""
-    if _state["installed"]:
-        return
-    from megatron.training.models import gpt
-
+def wrap_mtp_block_spec(original):
+    """Factory: upstream's ``mtp_block_spec`` with the MTP inner layer of an MLA model rebuilt by
+    ``cpu_mla_layer_spec`` for configs marked by :func:`adapt_model_config`."""
     from megatron.cpu.mla_attention import cpu_mla_layer_spec
-
-    original = gpt.mtp_block_spec
 
     @wraps_upstream(original)
     def cpu_mtp_block_spec(config, transformer_layer_spec, vp_stage=None):
@@ -86,13 +81,27 @@ def install() -> None:
             return spec
         return cpu_mla_layer_spec(spec, fuse_down_proj=mark["fuse_down_proj"])
 
-    _patcher.replace(
-        gpt,
-        "mtp_block_spec",
-        cpu_mtp_block_spec,
+    return cpu_mtp_block_spec
+
+
+#: What :func:`install` replaces.
+PATCHES = (
+    Patch(
+        "megatron.training.models.gpt.mtp_block_spec",
+        wrap_mtp_block_spec,
         "the MTP inner layer of an MLA model is rebuilt from the local spec, whose "
         "DotProductAttention cannot build MLA",
-    )
+        params=("config", "transformer_layer_spec", "vp_stage"),
+    ),
+)
+
+
+def install() -> None:
+    """Wrap upstream's ``mtp_block_spec`` (idempotent; :func:`reset` undoes it)."""
+    if _state["installed"]:
+        return
+    for patch in PATCHES:
+        patch.install(_patcher)
     _state["installed"] = True
 
 

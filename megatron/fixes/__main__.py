@@ -1,5 +1,6 @@
-"""``python -m megatron.fixes [--json] [--fixes-only]``: every upstream attribute this overlay
-replaces, from the patch registry.
+"""``python -m megatron.fixes [--json] [--fixes-only]``: every fix's verdict on the installed
+upstream (active, standing aside, refused, with the reason; a refusal does not stop the listing)
+and every upstream attribute this overlay replaces, from the patch registry.
 
 By default it installs what ``pretrain_gpt.py`` can install (the fixes; the CPU backend when no
 CUDA device is present; the persistent tier, the validated local tier and the loss log, as for
@@ -14,51 +15,39 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from megatron.fixes import apply, fixes
 from megatron.overlay.registry import REGISTRY
 
+#: Entry-point group of the components above the fixes (the CPU backend, the training hooks):
+#: each entry is a callable that installs its component as ``pretrain_gpt.py`` would and returns
+#: the names installed. Declared in pyproject.toml, so this package imports nothing above it.
+COMPONENTS_GROUP = "megatron.overlay.components"
+
 
 def install_components() -> list[str]:
-    """Install the non-fix components as ``pretrain_gpt.py`` would for a run with every one of
-    them on; returns the names of those installed (the CPU backend only without a CUDA device)."""
-    import torch
+    """Install the components registered under :data:`COMPONENTS_GROUP` (the CPU backend without
+    a CUDA device, the persistent and local tiers, the resume proof, the loss log); returns the
+    names installed.
 
-    from megatron.training_ext import args as fork_args
+    Raises:
+        RuntimeError: no component is registered (the project is not installed: ``pip install
+            -e .``, or ``scripts/setup.sh``), so the listing would silently miss them.
+    """
+    from importlib.metadata import entry_points
 
-    installed = []
-    argv = [
-        "pretrain_gpt.py",
-        "--non-persistent-ckpt-type",
-        "local",
-        "--loss-log",
-        os.devnull,
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "128",
-    ]
-    if not torch.cuda.is_available():
-        argv.append("--cpu")
-        if fork_args.prepare_cpu_backend(argv):
-            from megatron.cpu import specs
-
-            specs.install()
-            installed.append("cpu")
-    from megatron.training.arguments import parse_args
-
-    saved = sys.argv
-    sys.argv = argv
-    try:
-        args = parse_args(extra_args_provider=fork_args.add_fork_args)
-    finally:
-        sys.argv = saved
-    fork_args.validate_fork_args(args)
-    fork_args.install_training_hooks(args)
-    return installed + ["persistent_tier", "local_tier", "loss_log"]
+    found = sorted(entry_points(group=COMPONENTS_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise RuntimeError(
+            f"no {COMPONENTS_GROUP} entry points: install the project (scripts/setup.sh, or "
+            "pip install -e .) to list the CPU backend and the training hooks too, or pass "
+            "--fixes-only"
+        )
+    installed: list[str] = []
+    for ep in found:
+        installed += ep.load()()
+    return installed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    statuses = apply()
+    statuses = apply(strict=False)
     if not opts.fixes_only:
         install_components()
     records = REGISTRY.records()
@@ -110,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     for fix in fixes():
         print(f"{fix.name}: {fix.title}")
         print(f"  upstream:  {', '.join(fix.upstream_refs)}")
-        print(f"  targets:   {fix.package}{fix.supported} (installed: {fix.installed_version()})")
+        print(f"  proven on: {fix.package}{fix.supported} (installed: {fix.installed_version()})")
         print(
             f"  status:    {statuses[fix.name].value}" + (f" ({fix.reason})" if fix.reason else "")
         )

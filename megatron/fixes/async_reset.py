@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import types
+from typing import Callable
 
-from megatron.overlay import Fix, Patcher
+from megatron.overlay import Fix, Patch, alias_of, value
 from megatron.overlay.registry import wraps_upstream
 
 _MODULE = "megatron.training.async_utils"
@@ -53,11 +54,49 @@ def drop_results_queues() -> int:
         if manager is not None:
             try:
                 manager.shutdown()
-            except Exception:  # already shut down (upstream's own reset reached it)
+            except Exception:  # noqa: BLE001 - already shut down (upstream's own reset reached it)
                 pass
         module._results_queue = None
         dropped += 1
     return dropped
+
+
+def wrap_reset_persistent_async_worker(upstream: Callable) -> Callable:
+    """Factory of the replacement of
+    ``megatron.training.async_utils.reset_persistent_async_worker``: upstream's abort of async
+    checkpointing, then :func:`drop_results_queues`."""
+
+    @wraps_upstream(upstream)
+    def reset_persistent_async_worker(async_strategy):
+        """Upstream's abort of async checkpointing, then the real write-results queues dropped
+        (:func:`megatron.fixes.async_reset.drop_results_queues`): the next save starts from an
+        empty queue instead of consuming the aborted save's results."""
+        upstream(async_strategy)
+        drop_results_queues()
+
+    return reset_persistent_async_worker
+
+
+def _get_async_calls_queue():
+    """Get or lazily build the async calls queue, with ``cpu_shm_mode`` from
+    ``--async-ckpt-use-cpu-shm`` as ``init_persistent_async_worker`` builds it
+    (megatron.fixes.async_reset)."""
+    au = importlib.import_module(_MODULE)
+    if au._async_calls_queue is None:
+        args = au.get_args()
+        strategy, modules = au.get_async_strategy(getattr(args, "async_strategy", "nvrx"))
+        cls = modules["AsyncCallsQueue"]
+        kwargs = {}
+        if (
+            strategy == "nvrx"
+            and getattr(args, "async_ckpt_use_cpu_shm", False)
+            and "cpu_shm_mode" in inspect.signature(cls.__init__).parameters
+        ):
+            kwargs["cpu_shm_mode"] = True
+        au._async_calls_queue = cls(
+            persistent=getattr(args, "use_persistent_ckpt_worker", False), **kwargs
+        )
+    return au._async_calls_queue
 
 
 class _ProbeManager:
@@ -78,6 +117,27 @@ class AsyncResetFix(Fix):
         "_get_async_calls_queue (drops --async-ckpt-use-cpu-shm)",
     )
     package = "megatron-core"
+
+    patches = (
+        Patch(
+            f"{_MODULE}.reset_persistent_async_worker",
+            wrap_reset_persistent_async_worker,
+            "the module-global results queue keeps the aborted save's write results, "
+            "which the next save's finalisation takes: its metadata describes other files",
+            params=("async_strategy",),
+        ),
+        Patch(
+            f"{_MODULE}._get_async_calls_queue",
+            value(_get_async_calls_queue),
+            "the queue rebuilt after a reset drops --async-ckpt-use-cpu-shm: on CPU its "
+            "worker initialises CUDA, dies, and the trainer waits for it forever",
+        ),
+        Patch(
+            "megatron.training.inprocess_restart.reset_persistent_async_worker",
+            alias_of(f"{_MODULE}.reset_persistent_async_worker"),
+            "in-process restart's AbortCheckpoint calls it through that name",
+        ),
+    )
 
     def upstream_behaves(self) -> bool:
         au = importlib.import_module(_MODULE)
@@ -109,7 +169,7 @@ class AsyncResetFix(Fix):
 
         try:
             _, modules = get_async_strategy("nvrx")
-        except Exception:  # NVRx not installed: only the mcore strategy, which has no such flag
+        except Exception:  # noqa: BLE001 - no NVRx: only the mcore strategy, without the flag
             return True
         cls = modules["AsyncCallsQueue"]
         if "cpu_shm_mode" not in inspect.signature(cls.__init__).parameters:
@@ -134,60 +194,6 @@ class AsyncResetFix(Fix):
         finally:
             au._async_calls_queue = saved
             au.get_args, au.get_async_strategy = saved_get_args, saved_strategy
-
-    def install(self, patcher: Patcher) -> None:
-        au = importlib.import_module(_MODULE)
-        upstream_reset = au.reset_persistent_async_worker
-
-        @wraps_upstream(upstream_reset)
-        def reset_persistent_async_worker(async_strategy):
-            """Upstream's abort of async checkpointing, then the real write-results queues dropped
-            (:func:`megatron.fixes.async_reset.drop_results_queues`): the next save starts from an
-            empty queue instead of consuming the aborted save's results."""
-            upstream_reset(async_strategy)
-            drop_results_queues()
-
-        def _get_async_calls_queue():
-            """Get or lazily build the async calls queue, with ``cpu_shm_mode`` from
-            ``--async-ckpt-use-cpu-shm`` as ``init_persistent_async_worker`` builds it
-            (megatron.fixes.async_reset)."""
-            if au._async_calls_queue is None:
-                args = au.get_args()
-                strategy, modules = au.get_async_strategy(getattr(args, "async_strategy", "nvrx"))
-                cls = modules["AsyncCallsQueue"]
-                kwargs = {}
-                if (
-                    strategy == "nvrx"
-                    and getattr(args, "async_ckpt_use_cpu_shm", False)
-                    and "cpu_shm_mode" in inspect.signature(cls.__init__).parameters
-                ):
-                    kwargs["cpu_shm_mode"] = True
-                au._async_calls_queue = cls(
-                    persistent=getattr(args, "use_persistent_ckpt_worker", False), **kwargs
-                )
-            return au._async_calls_queue
-
-        patcher.replace(
-            au,
-            "reset_persistent_async_worker",
-            reset_persistent_async_worker,
-            "the module-global results queue keeps the aborted save's write results, "
-            "which the next save's finalisation takes: its metadata describes other files",
-        )
-        patcher.replace(
-            au,
-            "_get_async_calls_queue",
-            _get_async_calls_queue,
-            "the queue rebuilt after a reset drops --async-ckpt-use-cpu-shm: on CPU its "
-            "worker initialises CUDA, dies, and the trainer waits for it forever",
-        )
-        restart = importlib.import_module("megatron.training.inprocess_restart")
-        patcher.replace(
-            restart,
-            "reset_persistent_async_worker",
-            reset_persistent_async_worker,
-            "in-process restart's AbortCheckpoint calls it through that name",
-        )
 
 
 FIX = AsyncResetFix()

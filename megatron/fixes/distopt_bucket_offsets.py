@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron.overlay import Fix, Patcher
+from megatron.fixes.standins import upstream_own
+from megatron.overlay import Fix, Patch
 from megatron.overlay.registry import wraps_upstream
 
 #: The optimizer-state keys of the stand-in (torch Adam's, besides ``param``).
@@ -221,10 +222,7 @@ def upstream_fully_reshardable():
     """Upstream's own ``sharded_param_state_fully_reshardable`` (under any fix's wrapper)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    fn = DistributedOptimizer.sharded_param_state_fully_reshardable
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
+    return upstream_own(DistributedOptimizer.sharded_param_state_fully_reshardable)
 
 
 def upstream_saves_every_bucket_right(fn=None) -> bool:
@@ -251,6 +249,25 @@ def upstream_saves_every_bucket_right(fn=None) -> bool:
         upstream_log.disabled = was_disabled
 
 
+def wrap_sharded_param_state_fully_reshardable(upstream: Callable) -> Callable:
+    """Factory of the replacement of
+    ``DistributedOptimizer.sharded_param_state_fully_reshardable``: upstream's; for a save, run
+    with the instance's ``get_parameter_state_dp_zero`` re-padded (:func:`bucket_padded_gather`)."""
+
+    @wraps_upstream(upstream)
+    def sharded_param_state_fully_reshardable(
+        self, model_sharded_state_dict, is_loading=False, metadata=None
+    ):
+        """Upstream's; for a save, the world tensors it slices carry the bucket padding that
+        its ``param_index_map`` offsets count (:func:`bucket_padded_gather`)."""
+        if is_loading:  # templates only (empty data): upstream's, unchanged
+            return upstream(self, model_sharded_state_dict, is_loading, metadata)
+        with bucket_padded_gather(self):
+            return upstream(self, model_sharded_state_dict, is_loading, metadata)
+
+    return sharded_param_state_fully_reshardable
+
+
 class DistOptBucketOffsetsFix(Fix):
     name = "distopt_bucket_offsets"
     title = (
@@ -263,34 +280,21 @@ class DistOptBucketOffsetsFix(Fix):
     )
     package = "megatron-core"
 
-    def upstream_behaves(self) -> bool:
-        return upstream_saves_every_bucket_right()
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        upstream = DistributedOptimizer.sharded_param_state_fully_reshardable
-
-        @wraps_upstream(upstream)
-        def sharded_param_state_fully_reshardable(
-            self, model_sharded_state_dict, is_loading=False, metadata=None
-        ):
-            """Upstream's; for a save, the world tensors it slices carry the bucket padding that
-            its ``param_index_map`` offsets count (:func:`bucket_padded_gather`)."""
-            if is_loading:  # templates only (empty data): upstream's, unchanged
-                return upstream(self, model_sharded_state_dict, is_loading, metadata)
-            with bucket_padded_gather(self):
-                return upstream(self, model_sharded_state_dict, is_loading, metadata)
-
-        patcher.replace(
-            DistributedOptimizer,
-            "sharded_param_state_fully_reshardable",
-            sharded_param_state_fully_reshardable,
+    patches = (
+        Patch(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+            ".sharded_param_state_fully_reshardable",
+            wrap_sharded_param_state_fully_reshardable,
             "with several grad buckets the save sliced the gathered world tensors (bucket "
             "padding stripped) at param_index_map offsets (padding counted): every parameter "
             "after bucket 0 saved shifted; during a save the instance's "
             "get_parameter_state_dp_zero now returns them with the padding re-inserted",
-        )
+            params=("model_sharded_state_dict", "is_loading", "metadata"),
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        return upstream_saves_every_bucket_right()
 
 
 FIX = DistOptBucketOffsetsFix()

@@ -18,42 +18,59 @@ Design notes: ``docs/fixes/fsdp_rng.md``.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from typing import Callable
 
-from megatron.overlay import Fix, Patcher
+from megatron.fixes.standins import (
+    get_rng_state_stand_ins,
+    group,
+    parallel_state,
+    upstream_own,
+)
+from megatron.overlay import Fix, Patch
 from megatron.overlay.registry import wraps_upstream
 
 
-def upstream_keys_by_rank_without_groups() -> bool:
-    """True if upstream's ``get_rng_state("fsdp_dtensor", None, None)`` keys the states by this
-    rank's (PP, TP) coordinates, shown on a stand-in parallel state with TP rank 1 (no process
-    group). False when it keys them ``"(0, 0)"`` (the defect) or when it cannot tell (it needs a
-    device RNG this machine does not have yet): the fix stays active, which is harmless where
-    upstream behaves (it passes the groups upstream would resolve itself)."""
+def upstream_keys_by_rank_without_groups(fn: Callable | None = None) -> bool:
+    """True if upstream's ``get_rng_state("fsdp_dtensor", None, None)`` (or ``fn``) keys the states
+    by this rank's (PP, TP) coordinates, as ``load_checkpoint``'s ``fsdp_dtensor`` branch calls
+    it; False when it keys them ``"(0, 0)"`` (the defect).
+
+    Shown on a stand-in rank with TP rank 1 of 2 (:func:`~megatron.fixes.standins.parallel_state`:
+    no process group, no device; :func:`~megatron.fixes.standins.get_rng_state_stand_ins`), so
+    it works on CPU before any backend starts; everything is put back afterwards.
+
+    Raises:
+        Whatever upstream's function raises on the stand-ins (the caller cannot tell).
+    """
     from megatron.training import checkpointing as ckpt
 
-    fn = ckpt.get_rng_state
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    one = SimpleNamespace(rank=lambda: 0, size=lambda: 1)
-    stand_in = SimpleNamespace(
-        get_tensor_model_parallel_rank=lambda: 1,
-        get_pipeline_model_parallel_rank=lambda: 0,
-        get_tensor_model_parallel_group=lambda: SimpleNamespace(rank=lambda: 1, size=lambda: 2),
-        get_pipeline_model_parallel_group=lambda: one,
-        get_data_parallel_world_size=lambda: 1,
-        get_data_parallel_rank=lambda with_context_parallel=False: 0,
-    )
-    saved = ckpt.get_args, ckpt.mpu
-    ckpt.get_args = lambda: SimpleNamespace(data_parallel_random_init=False)
-    ckpt.mpu = stand_in
-    try:
+    fn = fn or upstream_own(ckpt.get_rng_state)
+    one = group(0, 1)
+    with get_rng_state_stand_ins(parallel_state(tp=(1, 2))):
         out = fn("fsdp_dtensor", None, None, dp_cp_group=one, dp_group=one)
-    except Exception:  # noqa: BLE001 - no device RNG (CPU before the backend starts): cannot tell
-        return False
-    finally:
-        ckpt.get_args, ckpt.mpu = saved
     return isinstance(out, dict) and list(out) == ["(0, 1)"]
+
+
+def wrap_get_rng_state(upstream: Callable) -> Callable:
+    """Factory of the replacement of ``megatron.training.checkpointing.get_rng_state``: upstream's,
+    with ``fsdp_dtensor`` calls that pass no groups given the model-parallel groups (as the
+    ``torch_dist`` branch of ``load_checkpoint`` resolves them)."""
+    from megatron.core import parallel_state as mpu
+
+    @wraps_upstream(upstream)
+    def get_rng_state(ckpt_format, tp_group=None, pp_group=None, *args, **kwargs):
+        """Upstream's; missing groups are the model-parallel groups (fsdp_dtensor)."""
+        if (
+            ckpt_format == "fsdp_dtensor"
+            and tp_group is None
+            and pp_group is None
+            and mpu.model_parallel_is_initialized()
+        ):
+            tp_group = mpu.get_tensor_model_parallel_group()
+            pp_group = mpu.get_pipeline_model_parallel_group()
+        return upstream(ckpt_format, tp_group, pp_group, *args, **kwargs)
+
+    return get_rng_state
 
 
 class FsdpRngFix(Fix):
@@ -66,35 +83,19 @@ class FsdpRngFix(Fix):
     )
     package = "megatron-core"
 
-    def upstream_behaves(self) -> bool:
-        return upstream_keys_by_rank_without_groups()
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.core import parallel_state as mpu
-        from megatron.training import checkpointing
-
-        upstream_get = checkpointing.get_rng_state
-
-        @wraps_upstream(upstream_get)
-        def get_rng_state(ckpt_format, tp_group=None, pp_group=None, *args, **kwargs):
-            """Upstream's; missing groups are the model-parallel groups (fsdp_dtensor)."""
-            if (
-                ckpt_format == "fsdp_dtensor"
-                and tp_group is None
-                and pp_group is None
-                and mpu.model_parallel_is_initialized()
-            ):
-                tp_group = mpu.get_tensor_model_parallel_group()
-                pp_group = mpu.get_pipeline_model_parallel_group()
-            return upstream_get(ckpt_format, tp_group, pp_group, *args, **kwargs)
-
-        patcher.replace(
-            checkpointing,
-            "get_rng_state",
-            get_rng_state,
+    patches = (
+        Patch(
+            "megatron.training.checkpointing.get_rng_state",
+            wrap_get_rng_state,
             "fsdp_dtensor loads call it without groups: every rank keyed '(0, 0)' and restored "
             "rank (0, 0)'s RNG states; the replacement resolves the model-parallel groups",
-        )
+            params=("ckpt_format", "tp_group", "pp_group"),
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        """:func:`upstream_keys_by_rank_without_groups` on upstream's own ``get_rng_state``."""
+        return upstream_keys_by_rank_without_groups()
 
 
 FIX = FsdpRngFix()

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Callable
 
-from megatron.overlay import Fix, Patcher
+from megatron.fixes.standins import upstream_own
+from megatron.overlay import Fix, Patch
 from megatron.overlay.registry import wraps_upstream
 
 _BARE_PERCENT = re.compile(r"%(?!\(\w+\)[a-z]|%)")
@@ -54,6 +56,20 @@ def escape_help(parser: argparse.ArgumentParser) -> list[str]:
     return changed
 
 
+def wrap_add_megatron_arguments(upstream: Callable) -> Callable:
+    """Factory of the replacement of ``megatron.training.arguments.add_megatron_arguments``:
+    upstream's, then every help string argparse cannot expand escaped (:func:`escape_help`)."""
+
+    @wraps_upstream(upstream)
+    def add_megatron_arguments(parser):
+        """Upstream's, then every help string's bare ``%`` escaped."""
+        parser = upstream(parser)
+        escape_help(parser)
+        return parser
+
+    return add_megatron_arguments
+
+
 class HelpTextFix(Fix):
     name = "help_text"
     title = "--help works: bare % in upstream help strings escaped"
@@ -62,29 +78,22 @@ class HelpTextFix(Fix):
     )
     package = "megatron-core"
 
-    def upstream_behaves(self) -> bool:
-        from megatron.training import arguments
-
-        return not unexpandable_help(arguments.add_megatron_arguments(argparse.ArgumentParser()))
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.training import arguments
-
-        upstream = arguments.add_megatron_arguments
-
-        @wraps_upstream(upstream)
-        def add_megatron_arguments(parser):
-            """Upstream's, then every help string's bare ``%`` escaped."""
-            parser = upstream(parser)
-            escape_help(parser)
-            return parser
-
-        patcher.replace(
-            arguments,
-            "add_megatron_arguments",
-            add_megatron_arguments,
+    patches = (
+        Patch(
+            "megatron.training.arguments.add_megatron_arguments",
+            wrap_add_megatron_arguments,
             "an unescaped % in a help string makes argparse raise ValueError on --help",
-        )
+            params=("parser",),
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        """True if every help string of upstream's own parser expands (:func:`unexpandable_help`
+        on ``add_megatron_arguments``, under no wrapper of this overlay)."""
+        from megatron.training import arguments
+
+        parser = upstream_own(arguments.add_megatron_arguments)(argparse.ArgumentParser())
+        return not unexpandable_help(parser)
 
 
 FIX = HelpTextFix()

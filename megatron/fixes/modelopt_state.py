@@ -6,12 +6,13 @@ does not ship that package, so the flag is False and quantized models are checkp
 their ModelOpt state and resume unquantized. Local (non-persistent) checkpoints skip it even with
 the flag ("Local checkpointing does not support nvidia_modelopt"). This fix sets the flag with
 ModelOpt's own ``save_modelopt_state`` / ``save_sharded_modelopt_state`` and
-:func:`megatron.training_ext.modelopt.print_quant_summary` (``torch_dist`` checkpoints get
+:func:`megatron.fixes.modelopt_tensors.print_quant_summary` (``torch_dist`` checkpoints get
 ``<ckpt>/modelopt_state``), and wraps ``save_checkpoint``, ``generate_state_dict`` and
 ``_load_base_checkpoint`` so that a local checkpoint stores the per-rank ModelOpt state and its
 load restores it into the model before the state dict to load is built. Unquantized models are
-unchanged. A part of the ``modelopt_moe`` fix group (its name disables it). Design notes:
-``docs/fixes/modelopt_moe.md``.
+unchanged. Probe: :func:`probe_upstream_saves_modelopt_state`, which runs upstream's own
+``save_checkpoint`` for a stand-in model. A part of the ``modelopt_moe`` fix group (its name
+disables it). Design notes: ``docs/fixes/modelopt_moe.md``.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ import importlib
 import inspect
 import logging
 import sys
+import tempfile
+import types
 from typing import Any, Callable
 
-from megatron.overlay import Fix
-from megatron.overlay.registry import Patcher, wraps_upstream
+import torch
+
+from megatron.fixes.modelopt_tensors import print_quant_summary
+from megatron.overlay import REGISTRY, SKIP, Fix, Patch, alias_of
+from megatron.overlay.registry import wraps_upstream
 
 logger = logging.getLogger(__name__)
 
 _CKPT = "megatron.training.checkpointing"
 _TRAINING = "megatron.training.training"
 _MCORE_PLUGIN = "modelopt.torch.opt.plugins.mcore_dist_checkpointing"
-#: What upstream's save_checkpoint prints instead of storing ModelOpt state in a local checkpoint.
-_LOCAL_SKIP_MESSAGE = "Local checkpointing does not support nvidia_modelopt"
 
 #: True while ``save_checkpoint`` writes a local (non-persistent, per-rank) checkpoint.
 _LOCAL_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -58,8 +62,6 @@ def _restore_from_local(model: list, states: dict[str, Any], checkpoint_name: An
     """
     import modelopt.torch.opt as mto
     from megatron.core import parallel_state as mcore_ps
-
-    from megatron.training_ext.modelopt import print_quant_summary
 
     keys = _modelopt_state_keys(len(model))
     restored = []
@@ -87,6 +89,9 @@ def _restore_from_local(model: list, states: dict[str, Any], checkpoint_name: An
 
 
 def _wrap_save_checkpoint(original: Callable) -> Callable:
+    """Factory of the replacement of ``megatron.training.checkpointing.save_checkpoint``
+    (``original``): a local save leaves the ModelOpt state to :func:`_wrap_generate_state_dict`
+    instead of skipping it."""
     signature = inspect.signature(original)
 
     @wraps_upstream(original)
@@ -101,8 +106,8 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
             return original(*args, **kwargs)
         had = getattr(ckpt, "has_nvidia_modelopt", False)
         token = _LOCAL_SAVE.set(True)
-        # Upstream's local branch only prints _LOCAL_SKIP_MESSAGE when this is set; the state is
-        # stored (generate_state_dict) instead.
+        # Upstream's local branch only prints that it skips the ModelOpt state when this is set;
+        # the state is stored (generate_state_dict) instead.
         ckpt.has_nvidia_modelopt = False
         try:
             return original(*args, **kwargs)
@@ -114,6 +119,8 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
 
 
 def _wrap_generate_state_dict(original: Callable) -> Callable:
+    """Factory of the replacement of ``megatron.training.checkpointing.generate_state_dict``
+    (``original``): ModelOpt state added to a local save, restored from a local load."""
     signature = inspect.signature(original)
 
     @wraps_upstream(original)
@@ -136,6 +143,9 @@ def _wrap_generate_state_dict(original: Callable) -> Callable:
 
 
 def _wrap_load_base_checkpoint(original: Callable) -> Callable:
+    """Factory of the replacement of ``megatron.training.checkpointing._load_base_checkpoint``
+    (``original``): keeps a local checkpoint's ModelOpt state for the next
+    ``generate_state_dict``."""
     signature = inspect.signature(original)
 
     @wraps_upstream(original)
@@ -162,30 +172,297 @@ def _wrap_load_base_checkpoint(original: Callable) -> Callable:
     return _load_base_checkpoint
 
 
-def upstream_saves_modelopt_state() -> bool:
-    """True if upstream's own guard import succeeds (``has_nvidia_modelopt`` would be True)."""
-    try:
-        # attribute probes: each raises if the attribute is missing
-        importlib.import_module(  # noqa: B018 - probe raises if missing
-            "megatron.post_training.utils"
-        ).print_distributed_quant_summary
-        importlib.import_module(  # noqa: B018 - probe raises if missing
-            "modelopt.torch.opt.plugins"
-        ).save_sharded_modelopt_state
-    except Exception:  # noqa: BLE001 - upstream's guard catches every exception too
-        return False
+# ---- the patches ---------------------------------------------------------------------------------
+
+#: Upstream's own ``has_nvidia_modelopt``, as found when the fix set it (for the probe).
+_UPSTREAM_FLAG: dict[str, bool] = {}
+
+_PERSISTENT_WHY = (
+    "upstream's ModelOpt checkpoint code is guarded by an import of "
+    "megatron.post_training, absent from 0.19.2: quantized models were "
+    "checkpointed without modelopt_state and resumed unquantized"
+)
+_LOCAL_WHY = (
+    "local (non-persistent) checkpoints skipped the ModelOpt state, so a run "
+    "recovered from a local checkpoint or its replica resumed unquantized"
+)
+
+
+def _modelopt_guard_failed() -> bool:
+    """True while ``megatron.training.checkpointing.has_nvidia_modelopt`` is False: upstream's
+    ModelOpt guard import failed, and the fix has not set the flag yet."""
+    return not getattr(sys.modules[_CKPT], "has_nvidia_modelopt", False)
+
+
+def _modelopt_save_modelopt_state(original: Any) -> Any:
+    """Factory of ``megatron.training.checkpointing.save_modelopt_state``: ModelOpt's own
+    (``modelopt.torch.opt.plugins.mcore_dist_checkpointing``); :data:`SKIP` where upstream's
+    ModelOpt guard succeeded."""
+    if not _modelopt_guard_failed():
+        return SKIP
+    return importlib.import_module(_MCORE_PLUGIN).save_modelopt_state
+
+
+def _modelopt_save_sharded_modelopt_state(original: Any) -> Any:
+    """Factory of ``megatron.training.checkpointing.save_sharded_modelopt_state``: ModelOpt's
+    own; :data:`SKIP` where upstream's ModelOpt guard succeeded."""
+    if not _modelopt_guard_failed():
+        return SKIP
+    return importlib.import_module(_MCORE_PLUGIN).save_sharded_modelopt_state
+
+
+def _quant_summary(original: Any) -> Any:
+    """Factory of ``megatron.training.checkpointing.print_distributed_quant_summary`` (absent
+    where upstream's ModelOpt guard failed):
+    :func:`~megatron.fixes.modelopt_tensors.print_quant_summary`; :data:`SKIP` where the guard
+    succeeded."""
+    if not _modelopt_guard_failed():
+        return SKIP
+    return print_quant_summary
+
+
+def _modelopt_checkpointing_on(original: Any) -> Any:
+    """Factory of ``megatron.training.checkpointing.has_nvidia_modelopt``: ``True`` (declared
+    after the three patches it enables); :data:`SKIP` where it is already True. Keeps upstream's
+    value (``original``) for :meth:`ModeloptStateFix.upstream_behaves`."""
+    if not _modelopt_guard_failed():
+        return SKIP
+    _UPSTREAM_FLAG["has_nvidia_modelopt"] = bool(original)
     return True
 
 
-def upstream_skips_local_modelopt_state() -> bool:
-    """True if upstream's ``save_checkpoint`` still skips ModelOpt state in local checkpoints
-    (its code prints :data:`_LOCAL_SKIP_MESSAGE`; a local save cannot run in a probe). True if
-    the source cannot be read."""
+_SAVE = f"{_CKPT}.save_checkpoint"
+_TRAINING_SAVE = f"{_TRAINING}.save_checkpoint"
+#: Each skips itself where upstream's ModelOpt guard left ``has_nvidia_modelopt`` True.
+_PERSISTENT_PATCHES = (
+    Patch(f"{_CKPT}.save_modelopt_state", _modelopt_save_modelopt_state, _PERSISTENT_WHY),
+    Patch(
+        f"{_CKPT}.save_sharded_modelopt_state",
+        _modelopt_save_sharded_modelopt_state,
+        _PERSISTENT_WHY,
+    ),
+    Patch(
+        f"{_CKPT}.print_distributed_quant_summary",
+        _quant_summary,
+        "the quantizer summary upstream prints after loading comes from "
+        "megatron.post_training, absent from 0.19.2",
+        adds=True,
+    ),
+    Patch(f"{_CKPT}.has_nvidia_modelopt", _modelopt_checkpointing_on, _PERSISTENT_WHY),
+)
+_LOCAL_PATCHES = (
+    Patch(_SAVE, _wrap_save_checkpoint, _LOCAL_WHY, params=("non_persistent_ckpt",)),
+    # training.py's own binding (``from .checkpointing import save_checkpoint``), while it is one
+    Patch(_TRAINING_SAVE, alias_of(_SAVE, only_if_same=True), _LOCAL_WHY),
+    Patch(
+        f"{_CKPT}.generate_state_dict",
+        _wrap_generate_state_dict,
+        _LOCAL_WHY,
+        params=("model", "optim_sd_kwargs"),
+    ),
+    Patch(
+        f"{_CKPT}._load_base_checkpoint",
+        _wrap_load_base_checkpoint,
+        _LOCAL_WHY,
+        params=("sharded_state_dict",),
+    ),
+)
+
+
+# ---- the probe -----------------------------------------------------------------------------------
+
+
+class _ProbeWritten(Exception):
+    """Raised by the probe's checkpoint writers, carrying what they were handed."""
+
+    def __init__(self, written: Any) -> None:
+        super().__init__("modelopt_state probe: the checkpoint reached its writer")
+        self.written = written
+
+
+class _ProbeArgs(types.SimpleNamespace):
+    """Arguments of the probe's save; options not set read as ``None``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class _Inert:
+    """Every attribute is a callable doing nothing (the one-logger and fault-tolerance hooks,
+    the rerun state machine, the RNG collection): the probe touches no job state."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+class _ProbeModel(torch.nn.Module):
+    """Stand-in model chunk: an empty state dict in every checkpoint format."""
+
+    def sharded_state_dict(self, *args, **kwargs) -> dict:
+        return {}
+
+    def state_dict_for_save_checkpoint(self, *args, **kwargs) -> dict:
+        return {}
+
+
+class _ProbeDistributed:
+    """``torch.distributed`` as the probe's save sees it: not initialised (no collective)."""
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
+class _ProbeTorch:
+    """``torch`` as the probe's save sees it: ``torch.save`` hands the state dict back instead
+    of writing it."""
+
+    distributed = _ProbeDistributed()
+
+    @staticmethod
+    def save(obj: Any, *args, **kwargs) -> None:
+        raise _ProbeWritten(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _ProbeLocalManager:
+    """Stand-in NVRx local checkpoint manager: ``save`` hands the state dict back."""
+
+    def __init__(self, local_ckpt_dir: str) -> None:
+        self.local_ckpt_dir = local_ckpt_dir
+
+    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> None:
+        raise _ProbeWritten(state_dict)
+
+
+def probe_upstream_saves_modelopt_state(
+    save_checkpoint: Callable,
+    generate_state_dict: Callable,
+    has_nvidia_modelopt: bool,
+    local: bool,
+) -> bool | None:
+    """Run ``save_checkpoint`` (its own code) for a one-chunk stand-in model whose ModelOpt state
+    ModelOpt's save hook would store, and report whether the state reaches the checkpoint.
+
+    The save runs with the names it reads from its module replaced by stand-ins: arguments
+    (``torch`` format for a persistent save; ``local`` with the ``atomic`` algorithm and a cached
+    structure for a local one), no RNG, rerun, one-logger or fault-tolerance state,
+    ``torch.distributed`` not initialised, ``generate_state_dict`` as given, the ModelOpt flag
+    ``has_nvidia_modelopt`` as given, and as ModelOpt's hooks recorders that store
+    ``modelopt_state`` as ModelOpt does for a converted model. The writer (``torch.save``, the
+    local checkpoint manager's ``save``) hands back what it got instead of writing. No collective
+    runs, no file is written, no module attribute is changed: the save runs on a copy of its
+    module's namespace.
+
+    Args:
+        save_checkpoint: upstream's ``megatron.training.checkpointing.save_checkpoint``.
+        generate_state_dict: upstream's ``generate_state_dict``, which the save calls.
+        has_nvidia_modelopt: the value of the module's ModelOpt flag for the save.
+        local: probe a local (non-persistent, per-rank) save instead of a persistent one.
+
+    Returns:
+        True if what reaches the writer holds ``modelopt_state`` (or the sharded hook ran), False
+        if it does not (megatron-core 0.19.2: persistent saves with its flag False, and every
+        local save), None if the save does not reach a writer or fails on the stand-ins.
+    """
+    stored: list[str] = []
+
+    def save_modelopt_state(model: list, state_dict: dict) -> None:
+        stored.append("save_modelopt_state")
+        state_dict["modelopt_state"] = {"modelopt_state_dict": [], "modelopt_version": "probe"}
+
+    def save_sharded_modelopt_state(model: list, checkpoint_name: Any, *args, **kwargs) -> None:
+        stored.append("save_sharded_modelopt_state")
+
     try:
-        ckpt = importlib.import_module(_CKPT)
-        return _LOCAL_SKIP_MESSAGE in inspect.getsource(inspect.unwrap(ckpt.save_checkpoint))
-    except (OSError, TypeError, ImportError):
-        return True
+        with tempfile.TemporaryDirectory(prefix="modelopt_state_probe_") as d:
+            args = _ProbeArgs(
+                save=d,
+                use_dist_ckpt=local,
+                ckpt_format="torch_dist" if local else "torch",
+                non_persistent_ckpt_type="local",
+                non_persistent_local_ckpt_algo="atomic",
+                ckpt_assume_constant_structure=True,
+                async_save=False,
+                use_distributed_optimizer=False,
+                no_save_optim=True,
+                no_save_rng=True,
+            )
+            context = {
+                "local_checkpoint_manager": _ProbeLocalManager(d),
+                "local_checkpoint_cache": (None, None, None, None),
+            }
+            namespace = {
+                **save_checkpoint.__globals__,
+                "get_args": lambda: args,
+                "get_rng_state": lambda *a, **k: None,
+                "get_rerun_state_machine": lambda: _Inert(),
+                "on_save_checkpoint_start": lambda *a, **k: None,
+                "ft_integration": _Inert(),
+                "print_rank_0": lambda *a, **k: None,
+                "torch": _ProbeTorch(),
+                "_build_sharded_state_dict_metadata": lambda *a, **k: {},
+                "generate_state_dict": generate_state_dict,
+                "has_nvidia_modelopt": has_nvidia_modelopt,
+                "save_modelopt_state": save_modelopt_state,
+                "save_sharded_modelopt_state": save_sharded_modelopt_state,
+            }
+            save = types.FunctionType(
+                save_checkpoint.__code__,
+                namespace,
+                save_checkpoint.__name__,
+                save_checkpoint.__defaults__,
+                save_checkpoint.__closure__,
+            )
+            save.__kwdefaults__ = save_checkpoint.__kwdefaults__
+            kwargs = {
+                "checkpointing_context": context,
+                "non_persistent_ckpt": local,
+                "pipeline_rank": 0,
+                "tensor_rank": 0,
+                "expert_rank": 0,
+                "pipeline_parallel": False,
+                "expert_parallel": False,
+                "tp_group": object(),  # never used as a group: distributed is not initialised
+                "pp_group": object(),
+                "dp_cp_group": object(),
+            }
+            accepted = inspect.signature(save_checkpoint).parameters
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+            save(1, [_ProbeModel()], None, None, 0, **kwargs)
+    except _ProbeWritten as w:
+        written = w.written
+        common = (
+            written if isinstance(written, dict) else getattr(written, "common_state_dict", None)
+        )
+        if not isinstance(common, dict):
+            logger.info("modelopt_state probe: the writer got a %s", type(written).__name__)
+            return None
+        return "modelopt_state" in common or "save_sharded_modelopt_state" in stored
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
+        logger.info("modelopt_state probe (local=%s) could not run: %r", local, e)
+        return None
+    logger.info("modelopt_state probe (local=%s): the save reached no writer", local)
+    return None
+
+
+def _upstream_modelopt_flag(ckpt: Any) -> bool:
+    """Upstream's own ``has_nvidia_modelopt`` (the value before this fix set it, if it did)."""
+    if (
+        REGISTRY.is_recorded(ckpt, "has_nvidia_modelopt")
+        and "has_nvidia_modelopt" in _UPSTREAM_FLAG
+    ):
+        return _UPSTREAM_FLAG["has_nvidia_modelopt"]
+    return bool(getattr(ckpt, "has_nvidia_modelopt", False))
 
 
 class ModeloptStateFix(Fix):
@@ -199,59 +476,29 @@ class ModeloptStateFix(Fix):
         "megatron-core save_checkpoint: 'Local checkpointing does not support nvidia_modelopt'",
     )
     package = "megatron-core"
+    patches = _PERSISTENT_PATCHES + _LOCAL_PATCHES
 
-    def upstream_behaves(self) -> bool:
-        """Upstream behaves if its ModelOpt guard import succeeds and its local save keeps the
-        ModelOpt state."""
-        return upstream_saves_modelopt_state() and not upstream_skips_local_modelopt_state()
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.training_ext.modelopt import print_quant_summary
-
+    def upstream_behaves(self) -> bool | None:
+        """True if upstream's own ``save_checkpoint`` stores the ModelOpt state of a stand-in
+        model in a persistent save (with upstream's ``has_nvidia_modelopt``) and in a local one
+        (with the flag on); False if either leaves it out; None if a probe cannot run
+        (:func:`probe_upstream_saves_modelopt_state`)."""
         ckpt = importlib.import_module(_CKPT)
-        training = importlib.import_module(_TRAINING)
-        plugin = importlib.import_module(_MCORE_PLUGIN)
-
-        if not getattr(ckpt, "has_nvidia_modelopt", False):
-            why = (
-                "upstream's ModelOpt checkpoint code is guarded by an import of "
-                "megatron.post_training, absent from 0.19.2: quantized models were "
-                "checkpointed without modelopt_state and resumed unquantized"
-            )
-            patcher.replace(ckpt, "save_modelopt_state", plugin.save_modelopt_state, why=why)
-            patcher.replace(
-                ckpt, "save_sharded_modelopt_state", plugin.save_sharded_modelopt_state, why=why
-            )
-            patcher.replace(
-                ckpt,
-                "print_distributed_quant_summary",
-                print_quant_summary,
-                why="the quantizer summary upstream prints after loading comes from "
-                "megatron.post_training, absent from 0.19.2",
-            )
-            patcher.replace(ckpt, "has_nvidia_modelopt", True, why=why)
-
-        local_why = (
-            "local (non-persistent) checkpoints skipped the ModelOpt state, so a run "
-            "recovered from a local checkpoint or its replica resumed unquantized"
+        save = inspect.unwrap(ckpt.save_checkpoint)  # upstream's own, without overlay wrappers
+        generate = inspect.unwrap(ckpt.generate_state_dict)
+        persistent = probe_upstream_saves_modelopt_state(
+            save, generate, _upstream_modelopt_flag(ckpt), local=False
         )
-        original_save = ckpt.save_checkpoint
-        wrapped_save = _wrap_save_checkpoint(original_save)
-        patcher.replace(ckpt, "save_checkpoint", wrapped_save, why=local_why)
-        if getattr(training, "save_checkpoint", None) is original_save:  # training's own binding
-            patcher.replace(training, "save_checkpoint", wrapped_save, why=local_why)
-        patcher.replace(
-            ckpt,
-            "generate_state_dict",
-            _wrap_generate_state_dict(ckpt.generate_state_dict),
-            why=local_why,
+        local = probe_upstream_saves_modelopt_state(save, generate, True, local=True)
+        logger.info(
+            "modelopt_state probe: ModelOpt state stored by a persistent save = %s, by a local "
+            "save = %s",
+            persistent,
+            local,
         )
-        patcher.replace(
-            ckpt,
-            "_load_base_checkpoint",
-            _wrap_load_base_checkpoint(ckpt._load_base_checkpoint),
-            why=local_why,
-        )
+        if persistent is False or local is False:
+            return False
+        return True if persistent and local else None
 
 
 FIX = ModeloptStateFix()

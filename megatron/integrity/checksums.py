@@ -20,6 +20,7 @@ import torch
 
 from megatron.integrity import device_hash
 from megatron.integrity.tensors import is_quantized
+from megatron.overlay.errors import OverlayError
 
 try:
     import xxhash
@@ -63,7 +64,7 @@ CHECKSUM_ATTR = "_megatron_integrity"
 """Attribute of a ``TensorAwareStateDict`` that holds its checksum record."""
 
 
-class ChecksumMismatchError(RuntimeError):
+class ChecksumMismatchError(OverlayError, RuntimeError):
     """A tensor's bytes do not match the checksum computed by the rank that owns it.
 
     Raised (on every rank of the replication group) when a replica received during a save, or a

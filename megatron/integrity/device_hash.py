@@ -25,10 +25,20 @@ import torch
 
 __all__ = [
     "ALGORITHM",
+    "BLOCK_WORDS",
+    "CHUNK_WORDS",
+    "K_FIN",
+    "K_LEN",
+    "K_POS",
+    "M1",
+    "M2",
     "VERSION",
+    "mix_",
+    "mix_int",
     "pmix64",
     "pmix64_reference",
     "pmix64_tensor",
+    "signed",
     "triton_available",
 ]
 
@@ -47,12 +57,18 @@ CHUNK_WORDS = 1 << 15
 BLOCK_WORDS = 4096
 
 
-def _signed(v: int) -> int:
+def signed(v: int) -> int:
+    """``v`` modulo 2**64 as the int64 value with the same bits (for torch int64 arithmetic)."""
     v &= _MASK
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _mix_int(z: int) -> int:
+def mix_int(z: int) -> int:
+    """The bijective 64-bit ``mix`` of one Python int (``z`` taken modulo 2**64).
+
+    Returns:
+        int in ``[0, 2**64)``.
+    """
     z &= _MASK
     z ^= z >> 30
     z = (z * M1) & _MASK
@@ -72,8 +88,8 @@ def pmix64_reference(data: bytes) -> int:
     s = 0
     for i in range(len(padded) // 8):
         w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
-        s = (s + _mix_int(w + (i + 1) * K_POS)) & _MASK
-    return _mix_int(s ^ ((n * K_LEN + K_FIN) & _MASK))
+        s = (s + mix_int(w + (i + 1) * K_POS)) & _MASK
+    return mix_int(s ^ ((n * K_LEN + K_FIN) & _MASK))
 
 
 def _shr(z: torch.Tensor, s: int, tmp: torch.Tensor) -> torch.Tensor:
@@ -85,23 +101,25 @@ def _shr(z: torch.Tensor, s: int, tmp: torch.Tensor) -> torch.Tensor:
     return tmp.bitwise_and_((1 << (64 - s)) - 1)
 
 
-def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+def mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """:func:`mix_int` of every element of int64 ``z``, in place (``tmp``: scratch of ``z``'s shape,
+    dtype and device); returns ``z``."""
     z.bitwise_xor_(_shr(z, 30, tmp))
-    z.mul_(_signed(M1))
+    z.mul_(signed(M1))
     z.bitwise_xor_(_shr(z, 27, tmp))
-    z.mul_(_signed(M2))
+    z.mul_(signed(M2))
     return z.bitwise_xor_(_shr(z, 31, tmp))
 
 
 @functools.lru_cache(maxsize=4)
 def _positions(device: torch.device, words: int) -> torch.Tensor:
     """``(i + 1) * K_POS`` for ``i < words`` (int64, wrapped), cached per device."""
-    return torch.arange(1, words + 1, dtype=torch.int64, device=device).mul_(_signed(K_POS))
+    return torch.arange(1, words + 1, dtype=torch.int64, device=device).mul_(signed(K_POS))
 
 
 def _finish(s: torch.Tensor, n: int) -> torch.Tensor:
-    z = s.reshape(1).bitwise_xor(_signed(n * K_LEN + K_FIN))
-    return _mix_(z, torch.empty_like(z)).reshape(())
+    z = s.reshape(1).bitwise_xor(signed(n * K_LEN + K_FIN))
+    return mix_(z, torch.empty_like(z)).reshape(())
 
 
 def _word_sum_torch(u8: torch.Tensor, n: int) -> torch.Tensor:
@@ -126,8 +144,8 @@ def _word_sum_torch(u8: torch.Tensor, n: int) -> torch.Tensor:
             zb[: b1 - b0].copy_(u8[b0:b1])
             zc.add_(pos[:m])
         if w0:
-            zc.add_(_signed(w0 * K_POS))
-        total.add_(_mix_(zc, tc).sum())
+            zc.add_(signed(w0 * K_POS))
+        total.add_(mix_(zc, tc).sum())
     return total
 
 

@@ -22,7 +22,7 @@ import uuid
 from typing import Any, List, Mapping, Optional, Tuple
 
 # the file names are defined in local_layout; re-exported here for existing callers
-from megatron.integrity.local_layout import (  # noqa: F401
+from megatron.integrity.local_layout import (
     LOCAL_FILE_RE,
     MARKER_NAME,
     QUARANTINE_DIR,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron.overlay import collective
+from megatron.integrity.dcp_metadata import DcpMetadataError, read_dcp_metadata
 from megatron.integrity.file_digest import (
     ALGORITHM,
     BLOCK_BYTES,
@@ -33,6 +33,8 @@ from megatron.integrity.file_digest import (
     hash_file,
     sha256_file,
 )
+from megatron.overlay import collective
+from megatron.overlay.errors import OverlayError
 
 __all__ = [
     "ALGORITHM",
@@ -91,7 +93,7 @@ class FileProblem:
         return f"{self.file}: {self.what}{where}{held}"
 
 
-class CheckpointIntegrityError(_Base):
+class CheckpointIntegrityError(OverlayError, _Base):
     """A checkpoint directory failed verification: files missing, truncated or changed since the
     save, or (when the manifest is required) saved without ``integrity.json``.
 
@@ -303,10 +305,12 @@ def check_files(
 
 
 def _storage_ranges(checkpoint_dir: Path) -> Dict[str, List[Tuple[int, int, str]]]:
-    """``.metadata``: data file -> [(offset, length, key)] of every stored item."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """``.metadata``: data file -> [(offset, length, key)] of every stored item.
 
-    md = FileSystemReader(str(checkpoint_dir)).read_metadata()
+    Raises:
+        DcpMetadataError: ``.metadata`` is absent or cannot be read.
+    """
+    md = read_dcp_metadata(checkpoint_dir)
     out: Dict[str, List[Tuple[int, int, str]]] = {}
     for idx, info in (md.storage_data or {}).items():
         out.setdefault(info.relative_path, []).append((int(info.offset), int(info.length), idx.fqn))
@@ -328,10 +332,11 @@ def check_storage_ranges(
     d = Path(checkpoint_dir)
     try:
         ranges = _storage_ranges(d)
-    except FileNotFoundError:
-        return [FileProblem(".metadata", "missing (not a complete torch_dist checkpoint)")]
-    except Exception as e:  # noqa: BLE001 - any unpickling error means the same
-        return [FileProblem(".metadata", f"unreadable ({type(e).__name__}: {e})")]
+    except DcpMetadataError as e:
+        if e.missing:
+            return [FileProblem(".metadata", "missing (not a complete torch_dist checkpoint)")]
+        cause = e.__cause__ if e.__cause__ is not None else e
+        return [FileProblem(".metadata", f"unreadable ({type(cause).__name__}: {cause})")]
     out = []
     for rel in sorted(ranges if names is None else names):
         items = ranges.get(rel, [])

@@ -1,10 +1,11 @@
 """Read access to a persistent ``torch_dist`` checkpoint (megatron-core 0.19.2,
-``--ckpt-format torch_dist``: PyTorch DCP's ``.metadata`` + ``__<rank>_<n>.distcp`` data files) for
-the verifier: storage-range checks, reading tensor regions (any region: PyTorch DCP's own
-``FileSystemReader`` with ``create_read_items_for_chunk_list``; one saved chunk: a zero-copy view
-of the mapped file) and objects, and streaming every chunk of one data file. The format and the
-reading strategy are described in ``docs/verify.md``. Locating the iteration directory and chunk
-coverage: :mod:`megatron.integrity.persistent_dirs` (re-exported here).
+``--ckpt-format torch_dist``: PyTorch DCP's ``.metadata`` + ``__<rank>_<n>.distcp`` data files), as
+the verifier (:mod:`megatron.verify`) uses it: storage ranges, reading tensor regions (any region:
+PyTorch DCP's own ``FileSystemReader`` with ``create_read_items_for_chunk_list``; one saved chunk:
+a zero-copy view of the mapped file) and objects, and streaming every chunk of one data file. The
+format and the reading strategy are described in ``docs/verify.md``. Locating the iteration
+directory and chunk coverage: :mod:`megatron.integrity.persistent_dirs`; reading ``.metadata``:
+:func:`~megatron.integrity.dcp_metadata.read_dcp_metadata` (all three re-exported here).
 """
 
 from __future__ import annotations
@@ -27,22 +28,24 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron.integrity._readahead import ReadAhead
+from megatron.integrity.dcp_metadata import DcpMetadataError, read_dcp_metadata  # re-exported
 from megatron.integrity.manifest import INTEGRITY_FNAME  # one definition (megatron-core's name)
 from megatron.integrity.persistent_dirs import (  # the first three re-exported
     CheckpointInputError,
-    _volume,
     check_chunk_cover,
     resolve_persistent_dir,
+    volume,
 )
-from megatron.integrity.report import Problem
+from megatron.integrity.readahead import ReadAhead
 from megatron.integrity.torch_save import mapped_tensor
 
 __all__ = [
     "CheckpointInputError",
+    "DcpMetadataError",
     "INTEGRITY_FNAME",
     "PersistentCheckpoint",
     "check_chunk_cover",
+    "read_dcp_metadata",
     "resolve_persistent_dir",
 ]
 
@@ -107,19 +110,15 @@ class PersistentCheckpoint:
             ``-1`` when missing).
 
     Raises:
-        CheckpointInputError: ``.metadata`` cannot be read.
+        DcpMetadataError: ``.metadata`` is absent or cannot be read (a
+            :class:`CheckpointInputError`).
     """
 
     def __init__(self, path: Union[str, os.PathLike], iteration: Optional[int] = None):
         self._maps: Dict[str, Optional[mmap.mmap]] = {}
         self.path = Path(path)
         self.reader = FileSystemReader(str(self.path))
-        try:
-            self.metadata = self.reader.read_metadata()
-        except Exception as e:  # corrupt or truncated .metadata
-            raise CheckpointInputError(
-                f"cannot read {self.path / '.metadata'}: {type(e).__name__}: {e}"
-            ) from e
+        self.metadata = read_dcp_metadata(self.path, reader=self.reader)
         self.reader.set_up_storage_reader(self.metadata, True)
         self.tensors: Dict[str, TensorStorageMetadata] = {}
         self.objects: Dict[str, BytesStorageMetadata] = {}
@@ -153,84 +152,10 @@ class PersistentCheckpoint:
             (k, i, c) for k in sorted(self.tensors) for i, c in enumerate(self.tensors[k].chunks)
         ]
 
-    def check_metadata(self) -> List[Problem]:
-        """Coverage of every tensor's global shape by its chunks, and storage entries (present,
-        inside an existing file). Reads no tensor data.
-
-        Returns:
-            ``coverage`` and ``storage`` problems (empty when the metadata is consistent).
-        """
-        problems: List[Problem] = []
-        for key in sorted(self.tensors):
-            md = self.tensors[key]
-            errs = check_chunk_cover(
-                tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-            )
-            for e in errs:
-                problems.append(
-                    Problem(
-                        "coverage",
-                        f"persistent tensor '{key}' {list(md.size)}: {e}",
-                        role="persistent",
-                        key=key,
-                        shape=list(md.size),
-                        dtype=str(md.properties.dtype).removeprefix("torch."),
-                    )
-                )
-        for key, idx, chunk in self.chunk_items():
-            problems += self._storage_problems(
-                MetadataIndex(key, chunk.offsets, idx), key, list(chunk.offsets)
-            )
-        for key in sorted(self.objects):
-            problems += self._storage_problems(MetadataIndex(key), key, None)
-        return problems
-
-    def _storage_problems(self, index: MetadataIndex, key: str, offsets) -> List[Problem]:
-        info = self.storage.get(index)
-        where = f"'{key}'" + (f" chunk at {offsets}" if offsets is not None else "")
-        if info is None:
-            return [
-                Problem(
-                    "storage",
-                    f"persistent {where} has no storage entry in .metadata",
-                    role="persistent",
-                    key=key,
-                    global_offset=offsets,
-                )
-            ]
-        size = self.data_files.get(info.relative_path, -1)
-        if size < 0:
-            return [
-                Problem(
-                    "storage",
-                    f"persistent {where}: data file {info.relative_path} is missing",
-                    file=info.relative_path,
-                    role="persistent",
-                    key=key,
-                    global_offset=offsets,
-                )
-            ]
-        end = int(info.offset) + int(info.length)
-        if end > size:
-            return [
-                Problem(
-                    "storage",
-                    f"persistent {where}: bytes {info.offset}..{end} lie beyond the end of "
-                    f"{info.relative_path} ({size} bytes): the file is truncated",
-                    file=info.relative_path,
-                    role="persistent",
-                    key=key,
-                    global_offset=offsets,
-                    details={
-                        "storage_offset": int(info.offset),
-                        "storage_length": int(info.length),
-                        "file_size": size,
-                    },
-                )
-            ]
-        return []
-
     def storage_ok(self, index: MetadataIndex) -> bool:
+        """Whether the storage entry of ``index`` exists and lies inside an existing data file
+        (the checks that name what is wrong: :func:`megatron.verify.persistent_checks.
+        metadata_problems`)."""
         info = self.storage.get(index)
         return (
             info is not None
@@ -314,7 +239,7 @@ class PersistentCheckpoint:
         try:
             self.reader.read_data(LoadPlan(items), planner).wait()
             return []
-        except Exception:
+        except Exception:  # noqa: BLE001 - any read failure means: fall back to the per-item path below
             pass
         failed = []
         for ri in items:
@@ -371,11 +296,11 @@ class PersistentCheckpoint:
                     results[i] = view
                     continue
             ris = create_read_items_for_chunk_list(key, md, [chunk])
-            covered = sum(_volume(ri.lengths) for ri in ris)
-            if covered < _volume(sizes):
+            covered = sum(volume(ri.lengths) for ri in ris)
+            if covered < volume(sizes):
                 results[i] = (
                     f"the persistent chunks of '{key}' {list(md.size)} cover only {covered} of the "
-                    f"{_volume(sizes)} elements of region offsets={list(offsets)} "
+                    f"{volume(sizes)} elements of region offsets={list(offsets)} "
                     f"sizes={list(sizes)}"
                 )
                 continue
@@ -461,7 +386,7 @@ class PersistentCheckpoint:
 
         Returns:
             ``(key, chunk offsets or None, exception)`` for entries that could not be read. Entries
-            whose storage range is invalid (see :meth:`check_metadata`) are not read.
+            whose storage range is invalid (see :meth:`storage_ok`) are not read.
         """
         chunks: Dict[Tuple[str, tuple], ChunkStorageMetadata] = {}
         for key, _i, c in self.chunk_items():

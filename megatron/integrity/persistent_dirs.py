@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.overlay.collective import RankFailures
+from megatron.overlay.errors import OverlayError
+
+__all__ = ["CheckpointInputError", "check_chunk_cover", "resolve_persistent_dir", "volume"]
 
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
 
-class CheckpointInputError(RankFailures, ValueError):
+class CheckpointInputError(RankFailures, OverlayError, ValueError):
     """The verifier was given something it cannot verify (missing directory, no checkpoint files,
     unsupported format, local and persistent iterations that differ...). The message says what is
     wrong and what to pass instead. Raised by the verifier on every rank of its group
@@ -120,7 +123,8 @@ def _check_backend(d: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _volume(sizes: Sequence[int]) -> int:
+def volume(sizes: Sequence[int]) -> int:
+    """Number of elements of a region of shape ``sizes`` (1 for ``()``)."""
     return math.prod(int(s) for s in sizes)
 
 
@@ -167,15 +171,15 @@ def check_chunk_cover(
         off, sz = good[i]
         active = [j for j in active if good[j][0][dim] + good[j][1][dim] > off[dim]]
         for j in active:
-            if _overlap(off, sz, *good[j]) and _volume(sz) and _volume(good[j][1]):
+            if _overlap(off, sz, *good[j]) and volume(sz) and volume(good[j][1]):
                 overlaps += 1
                 if overlaps <= 3:
                     errors.append(f"chunks at {list(good[j][0])} and {list(off)} overlap")
         active.append(i)
     if overlaps > 3:
         errors.append(f"... {overlaps} overlapping chunk pairs in all")
-    covered = sum(_volume(sz) for _, sz in good)
-    total = _volume(shape)
+    covered = sum(volume(sz) for _, sz in good)
+    total = volume(shape)
     if not overlaps and covered != total:
         errors.append(f"chunks cover {covered} of {total} elements (gap of {total - covered})")
     return errors

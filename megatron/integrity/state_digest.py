@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.integrity.device_hash import K_FIN, K_LEN, K_POS, _mix_, _mix_int, _signed
+from megatron.integrity.device_hash import K_FIN, K_LEN, K_POS, mix_, mix_int, signed
 
 __all__ = [
     "ALGORITHM",
@@ -69,7 +69,7 @@ def _bits(flat: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=8)
 def _arange_k(device: torch.device, n: int) -> torch.Tensor:
     """``i * K_POS`` for ``i < n`` (int64, wrapped), cached per device."""
-    return torch.arange(n, dtype=torch.int64, device=device).mul_(_signed(K_POS))
+    return torch.arange(n, dtype=torch.int64, device=device).mul_(signed(K_POS))
 
 
 def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -83,7 +83,7 @@ def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
 def _term_sum(values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Sum of ``mix(bits(values) + pos)``: 0-d int64 on the values' device."""
     z = _bits(values).add_(pos)
-    return _mix_(z, torch.empty_like(z)).sum()
+    return mix_(z, torch.empty_like(z)).sum()
 
 
 def _runs(local_shape: Sequence[int], global_shape: Sequence[int]) -> Tuple[int, int]:
@@ -135,10 +135,10 @@ def _segments(
 
 @functools.lru_cache(maxsize=1)
 def _numba_kernel():
-    """The fused CPU loop (:mod:`megatron.integrity._digest_kernel`), or None without numba (the
+    """The fused CPU loop (:mod:`megatron.integrity.digest_kernel`), or None without numba (the
     torch implementation gives the same values)."""
     try:
-        from megatron.integrity._digest_kernel import segments_sum
+        from megatron.integrity.digest_kernel import segments_sum
     except ImportError:
         return None
     return segments_sum
@@ -229,7 +229,7 @@ def range_sum(
         for c0 in range(0, stop - start, CHUNK):
             m = min(CHUNK, stop - start - c0)
             g0 = base + start + c0
-            pos = _arange_k(device, CHUNK)[:m] + _signed((g0 + 1) * K_POS)
+            pos = _arange_k(device, CHUNK)[:m] + signed((g0 + 1) * K_POS)
             total.add_(_term_sum(flat[c0 : c0 + m], pos))
         return int(total) & _MASK
     # General case: runs of length `run`; the run index r (over the outer dims 0..d-1 of the
@@ -249,13 +249,13 @@ def range_sum(
         hi = min(stop, r1 * run) - r0 * run
         v0 = r0 * run + lo - start
         if in_run is not None:
-            pos = (gstart.add_(1).mul_(_signed(K_POS))[:, None] + in_run[None, :]).reshape(-1)
+            pos = (gstart.add_(1).mul_(signed(K_POS))[:, None] + in_run[None, :]).reshape(-1)
             total.add_(_term_sum(flat[v0 : v0 + (hi - lo)], pos[lo:hi]))
             continue
         g_run = int(gstart[0])  # one run longer than a chunk: contiguous within it
         for c0 in range(lo, hi, CHUNK):
             m = min(CHUNK, hi - c0)
-            pos = _arange_k(device, CHUNK)[:m] + _signed((g_run + c0 + 1) * K_POS)
+            pos = _arange_k(device, CHUNK)[:m] + signed((g_run + c0 + 1) * K_POS)
             total.add_(_term_sum(flat[v0 + c0 - lo : v0 + c0 - lo + m], pos))
     return int(total) & _MASK
 
@@ -290,7 +290,7 @@ def finish(partial_sums: Iterable[int], global_numel: int) -> int:
     s = 0
     for p in partial_sums:
         s = (s + p) & _MASK
-    return _mix_int(s ^ ((global_numel * K_LEN + K_FIN) & _MASK))
+    return mix_int(s ^ ((global_numel * K_LEN + K_FIN) & _MASK))
 
 
 def tensor_digest(t: torch.Tensor) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["is_quantized"]
+
 
 def is_quantized(t: torch.Tensor) -> bool:
     """True for a quantized tensor subclass (Transformer Engine ``Float8Tensor``, ``MXFP8Tensor``,

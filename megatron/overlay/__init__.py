@@ -11,25 +11,37 @@
 Layering (``docs/layout.md``): overlay < integrity < fixes < cpu < training_ext < entrypoints.
 """
 
+from megatron.overlay import pins
 from megatron.overlay.errors import OverlayError, UnsupportedUpstreamError
 from megatron.overlay.fix import Fix, FixGroup, FixStatus, PatchSpec
-from megatron.overlay.patch import Patch, alias_of, current, resolve
-from megatron.overlay.registry import REGISTRY, Patcher, PatchRecord, replace, wraps_upstream
+from megatron.overlay.patch import SKIP, Patch, alias_of, current, resolve, value
+from megatron.overlay.registry import (
+    REGISTRY,
+    Patcher,
+    PatchRecord,
+    PatchRegistry,
+    replace,
+    wraps_upstream,
+)
 
 __all__ = [
     "REGISTRY",
+    "SKIP",
     "Fix",
     "FixGroup",
     "FixStatus",
     "OverlayError",
     "Patch",
     "PatchRecord",
+    "PatchRegistry",
     "PatchSpec",
     "Patcher",
     "UnsupportedUpstreamError",
     "alias_of",
     "current",
+    "pins",
     "replace",
     "resolve",
+    "value",
     "wraps_upstream",
 ]

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from megatron.overlay.errors import OverlayError
+
 #: Messages kept per rank in an exception's text (all are counted).
 MAX_PER_RANK = 20
 
 
-class RankFailures(Exception):
+class RankFailures(OverlayError):
     """Base of every error raised on all ranks because some rank failed a check.
 
     Attributes:

@@ -71,7 +71,8 @@ class Fix:
         upstream_refs: the upstream issues, PRs or code it answers.
         package: the distribution it patches (a key of :data:`megatron.overlay.pins.PROVEN`).
         proven: a specifier narrowing the proven versions of ``package`` for this fix (``None``:
-            every version in :data:`~megatron.overlay.pins.PROVEN`).
+            :data:`~megatron.overlay.pins.NARROWED`'s entry for it, else every version in
+            :data:`~megatron.overlay.pins.PROVEN`).
         patches: the declared replacements.
     """
 
@@ -91,9 +92,11 @@ class Fix:
     @property
     def supported(self) -> str:
         """The proven versions, for messages and listings (``==0.19.2 or ==0.20.0``)."""
-        if self.proven is not None:
-            return self.proven
-        return pins.proven_specifier(self.package)
+        only = self._proven()
+        return only if only is not None else pins.proven_specifier(self.package)
+
+    def _proven(self) -> str | None:
+        return self.proven if self.proven is not None else pins.narrowed(self.name)
 
     def specs(self) -> tuple[PatchSpec, ...]:
         """What this fix replaces: its registry records once installed, else its declarations
@@ -119,7 +122,7 @@ class Fix:
 
     def version_supported(self, version: str) -> bool:
         """True if ``version`` of ``package`` is one this fix is proven on."""
-        return pins.is_proven(self.package, version, self.proven)
+        return pins.is_proven(self.package, version, self._proven())
 
     # -- behaviour ----------------------------------------------------------------------------
     def upstream_behaves(self) -> bool | None:
@@ -155,7 +158,7 @@ class Fix:
             return FixStatus.NOT_APPLICABLE, f"{self.package} is not installed"
         try:
             behaves = self.upstream_behaves()
-            why_unknown = "its probe cannot tell on this upstream"
+            why_unknown = "its probe cannot tell"
         except Exception as exc:  # noqa: BLE001 - a probe that breaks cannot tell: decided below
             logger.debug("fix %s: probe raised", self.name, exc_info=True)
             behaves, why_unknown = None, f"its probe raised {type(exc).__name__}: {exc}"
@@ -171,12 +174,11 @@ class Fix:
                 # a proven version whose points do not check is a declaration gap: patch as before
                 return FixStatus.ACTIVE, f"{self.package} {version}"
             return FixStatus.REFUSED, (
-                f"{self.package} {version} still shows the defect, but its patch points changed: "
-                + "; ".join(problems)
+                "it still shows the defect, but its patch points changed: " + "; ".join(problems)
             )
         if proven:
             return FixStatus.ACTIVE, f"{self.package} {version} (proven); {why_unknown}"
-        return FixStatus.REFUSED, f"{why_unknown}, and {self.package} {version} is not proven"
+        return FixStatus.REFUSED, f"{why_unknown}, on a version the fix is not proven on"
 
     def apply(self) -> FixStatus:
         """Decide (:meth:`decide`) and install if active; idempotent.

@@ -17,9 +17,12 @@ from typing import Any, Callable
 
 from megatron.overlay.registry import Patcher
 
-__all__ = ["Patch", "alias_of", "current", "resolve"]
+__all__ = ["SKIP", "Patch", "alias_of", "current", "resolve", "value"]
 
 _MISSING = object()
+
+#: Returned by a factory to leave its target alone (e.g. an alias that no longer aliases).
+SKIP = object()
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class Patch:
         params: parameter names the replacement relies on in the original's signature; a patch
             point whose signature lacks one has changed upstream (checked by :meth:`check`).
         adds: the attribute does not exist upstream; the patch adds it.
+        optional: what holds the attribute exists only with an optional dependency (e.g. a class
+            defined only with Transformer Engine): when it cannot be resolved the patch is skipped
+            and the point is not reported as changed.
     """
 
     target: str
@@ -43,6 +49,7 @@ class Patch:
     why: str
     params: tuple[str, ...] = field(default=())
     adds: bool = False
+    optional: bool = False
 
     @property
     def attribute(self) -> str:
@@ -56,6 +63,8 @@ class Patch:
         try:
             owner, name = resolve(self.target)
         except (ImportError, AttributeError) as exc:
+            if self.optional:
+                return None
             return f"{self.target} cannot be resolved ({type(exc).__name__}: {exc})"
         value = getattr(owner, name, _MISSING)
         if value is _MISSING:
@@ -72,15 +81,22 @@ class Patch:
 
     def install(self, patcher: Patcher) -> Any:
         """Resolve the target, build the replacement from the current value and put it in place
-        through ``patcher`` (recorded in the registry). Returns the replacement.
+        through ``patcher`` (recorded in the registry). Returns the replacement, or :data:`SKIP`
+        when the factory declined (nothing recorded).
 
         Raises:
-            ImportError, AttributeError: the target cannot be resolved.
+            ImportError, AttributeError: the target cannot be resolved (and is not ``optional``).
         """
-        owner, name = resolve(self.target)
+        try:
+            owner, name = resolve(self.target)
+        except (ImportError, AttributeError):
+            if self.optional:
+                return SKIP
+            raise
         original = getattr(owner, name, None)
         new = self.factory(original)
-        patcher.replace(owner, name, new, self.why)
+        if new is not SKIP:
+            patcher.replace(owner, name, new, self.why)
         return new
 
 
@@ -122,13 +138,35 @@ def current(target: str) -> Any:
     return getattr(owner, name)
 
 
-def alias_of(target: str) -> Callable[[Any], Any]:
-    """A factory for a patch of a name that imported ``target`` (``from m import f``): the
-    replacement is whatever ``target`` holds when the alias is patched (declare it after the patch
-    of ``target``), so both names reach the same object."""
+def alias_of(
+    target: str, *, only_if_same: bool = False, otherwise: Callable[[Any], Any] | None = None
+) -> Callable[[Any], Any]:
+    """A factory for a patch of a second name of ``target``'s object (``from m import f`` in
+    another module); declare it after the patch of ``target``.
 
-    def same_object(_original: Any) -> Any:
-        return current(target)
+    The replacement is ``target``'s live value (its replacement), so both names reach one object;
+    :data:`SKIP` when the name does not exist. With ``only_if_same``, only when the name still
+    holds what ``target`` held before its patch; else ``otherwise(original)``, or :data:`SKIP`
+    without ``otherwise``."""
+
+    def same_object(original: Any) -> Any:
+        if original is None:
+            return SKIP
+        live = current(target)
+        if not only_if_same or original is live or original is getattr(live, "__wrapped__", None):
+            return live
+        return otherwise(original) if otherwise is not None else SKIP
 
     same_object.__qualname__ = f"alias_of({target})"
     return same_object
+
+
+def value(obj: Any) -> Callable[[Any], Any]:
+    """A factory whose replacement is ``obj`` itself (a class or function that does not wrap the
+    original)."""
+
+    def replacement(_original: Any) -> Any:
+        return obj
+
+    replacement.__qualname__ = f"value({getattr(obj, '__qualname__', type(obj).__name__)})"
+    return replacement

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-__all__ = ["PROVEN", "RELEASES", "Proven", "proven_specifier", "is_proven"]
+__all__ = ["NARROWED", "PROVEN", "RELEASES", "Proven", "is_proven", "narrowed", "proven_specifier"]
 
 #: distribution -> the release the fixes were written against (``pyproject.toml`` pins these).
 RELEASES: dict[str, str] = {
@@ -53,6 +53,26 @@ PROVEN: dict[str, tuple[Proven, ...]] = {
     "nvidia-modelopt": (Proven("0.47.0", "release (PyPI)"),),
     "megatron-fsdp": (Proven("0.6.1", "release (PyPI)"),),
 }
+
+
+#: fix name -> (the proven versions of its package narrowed for it, why). A part of a group
+#: (``fsdp_dtensor.layout``) takes its group's entry.
+NARROWED: dict[str, tuple[str, str]] = {
+    "fsdp_dtensor": (
+        "==0.19.2",
+        "its functional tests (fused MLA + MTP under Megatron-FSDP) cannot run on upstream main, "
+        "where MTP without Transformer Engine fails to build (Megatron-LM PR 5748); its probes "
+        "and unit tests do run there, and an MLA-only fp32 round trip is bitwise",
+    ),
+}
+
+
+def narrowed(fix_name: str) -> str | None:
+    """The specifier :data:`NARROWED` gives ``fix_name`` (or its group), else ``None``."""
+    for name in (fix_name, fix_name.split(".", 1)[0]):
+        if name in NARROWED:
+            return NARROWED[name][0]
+    return None
 
 
 def proven_specifier(package: str) -> str:

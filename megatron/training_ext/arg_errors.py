@@ -16,6 +16,8 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from megatron.overlay.errors import OverlayError
+
 #: Values upstream derives from flags, by the flag (or setting) that decides them.
 DERIVED = {
     "transformer_pipeline_model_parallel_size": "--pipeline-model-parallel-size",
@@ -26,7 +28,7 @@ DERIVED = {
 }
 
 
-class ArgumentMistake(SystemExit):
+class ArgumentMistake(SystemExit, OverlayError):
     """A command-line mistake: exit status 1 with one line saying which flags and why."""
 
 
@@ -189,7 +191,7 @@ def parse_and_validate_args(
     except AssertionError as e:
         try:
             parser = parser_for()
-        except Exception:
+        except Exception:  # noqa: BLE001 - without a parser the message names the flags as given
             parser = None
         line = explain(e, parser)
         if line is None:

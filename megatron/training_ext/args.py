@@ -331,3 +331,47 @@ def install_training_hooks(args: argparse.Namespace) -> None:
         from megatron.training_ext import local_tier
 
         local_tier.install(args)
+
+
+def install_for_listing() -> list[str]:
+    """Install what ``pretrain_gpt.py`` installs above the fixes for a run with every component
+    on (the CPU backend without a CUDA device; the persistent tier, the validated local tier, the
+    resume proof and the loss log, as for ``--non-persistent-ckpt-type local --loss-log PATH``),
+    for ``python -m megatron.fixes``; returns the names installed. Registered as the
+    ``megatron.overlay.components`` entry point ``training_ext`` (pyproject.toml)."""
+    import os
+    import sys
+
+    import torch
+
+    installed = []
+    argv = [
+        "pretrain_gpt.py",
+        "--non-persistent-ckpt-type",
+        "local",
+        "--loss-log",
+        os.devnull,
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+    ]
+    if not torch.cuda.is_available():
+        argv.append("--cpu")
+        if prepare_cpu_backend(argv):
+            from megatron.cpu import specs
+
+            specs.install()
+            installed.append("cpu")
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        args = parse_args(extra_args_provider=add_fork_args)
+    finally:
+        sys.argv = saved
+    validate_fork_args(args)
+    install_training_hooks(args)
+    return installed + ["persistent_tier", "local_tier", "resume_proof", "loss_log"]

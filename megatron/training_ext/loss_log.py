@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay import Patch, Patcher, wraps_upstream
 
 _installed: dict[str, object] = {}
 _PATCHER = Patcher("loss_log")
@@ -29,13 +29,10 @@ def _as_float(value) -> float | None:
     return float(value)
 
 
-def install(path: str) -> None:
-    """Wrap ``training_log`` so that the last rank appends each iteration's losses to ``path``."""
-    import megatron.training.training as training
-
-    if _installed.get("path") == path:
-        return
-    upstream = _installed.get("upstream") or training.training_log
+def wrap_training_log(upstream):
+    """Factory of the replacement of ``megatron.training.training.training_log``: upstream's,
+    after the last rank appends the iteration's losses and grad norm (``float.hex``) to the path
+    given to :func:`install`."""
 
     @wraps_upstream(upstream)
     def training_log(
@@ -52,6 +49,7 @@ def install(path: str) -> None:
         **kwargs,
     ):
         """Upstream's ``training_log``, after appending this iteration's losses to the log."""
+        path = _installed["path"]
         rank_ok = (
             not torch.distributed.is_initialized()
             or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
@@ -79,14 +77,29 @@ def install(path: str) -> None:
             **kwargs,
         )
 
-    _PATCHER.restore()
-    _PATCHER.replace(
-        training,
-        "training_log",
-        training_log,
+    return training_log
+
+
+#: What :func:`install` replaces.
+PATCHES = (
+    Patch(
+        "megatron.training.training.training_log",
+        wrap_training_log,
         "--loss-log: each iteration's reduced losses and grad norm, exact (float.hex)",
-    )
-    _installed.update(path=path, upstream=upstream)
+        params=("loss_dict", "iteration", "skipped_iter", "grad_norm"),
+    ),
+)
+
+
+def install(path: str) -> None:
+    """Wrap ``training_log`` so that the last rank appends each iteration's losses to ``path``
+    (a JSON line per iteration; a second call with another path redirects the log)."""
+    if _installed.get("path") == path:
+        return
+    _installed["path"] = path
+    _PATCHER.restore()  # a new path: wrap the current upstream afresh
+    for patch in PATCHES:
+        patch.install(_PATCHER)
 
 
 def read(path: str) -> dict[int, dict[str, object]]:

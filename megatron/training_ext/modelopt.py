@@ -1,111 +1,46 @@
 """ModelOpt-quantized models in this fork's training entrypoints: inspect, summarise, restore.
 
-Used by ``tools/quantize.py`` (:func:`is_modelopt_converted`, :func:`quantizer_summary`),
-``pretrain_gpt.py --restore-modelopt-state`` (:func:`restore_modelopt_state_pre_wrap_hook`) and
-the ``modelopt_state`` fix (:func:`print_quant_summary`, the stand-in for Megatron-LM's
-``megatron.post_training.utils.print_distributed_quant_summary``, which megatron-core 0.19.2 does
-not ship). ``model`` arguments are a module or a list of model chunks, wrapped (DDP, Float16Module)
-or not. Design notes: ``docs/fixes/modelopt_moe.md``.
+Used by ``tools/quantize.py`` (:func:`is_modelopt_converted`, :func:`quantizer_summary`) and
+``pretrain_gpt.py --restore-modelopt-state`` (:func:`restore_modelopt_state_pre_wrap_hook`). The
+inspection helpers live with the fixes that need them (:mod:`megatron.fixes.modelopt_tensors`:
+:func:`print_quant_summary`, the stand-in for Megatron-LM's
+``megatron.post_training.utils.print_distributed_quant_summary``, which megatron-core does not
+ship, and :func:`checkpoint_tensors`) and are re-exported here. ``model`` arguments are a module
+or a list of model chunks, wrapped (DDP, Float16Module) or not. Design notes:
+``docs/fixes/modelopt_moe.md``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+
+from megatron.fixes.modelopt_tensors import (
+    checkpoint_tensors,
+    enabled_quantizers,
+    is_modelopt_converted,
+    print_quant_summary,
+    quantizer_summary,
+)
+from megatron.fixes.modelopt_tensors import needs_amax as _needs_amax
+
+__all__ = [
+    "checkpoint_tensors",
+    "enabled_quantizers",
+    "is_modelopt_converted",
+    "latest_checkpoint_dir",
+    "print_quant_summary",
+    "quantizer_summary",
+    "request_checkpointed_amax",
+    "restore_modelopt_state_pre_wrap_hook",
+]
 
 logger = logging.getLogger("megatron.training_ext.modelopt")
 
 _MCORE_PLUGIN = "modelopt.torch.opt.plugins.mcore_dist_checkpointing"
-
-
-def _chunks(model: Any) -> list:
-    from megatron.core.utils import unwrap_model
-
-    return unwrap_model(model if isinstance(model, list) else [model])
-
-
-def is_modelopt_converted(model: Any) -> bool:
-    """True if any chunk of ``model`` carries ModelOpt state (was quantized, or restored from a
-    quantized checkpoint)."""
-    import modelopt.torch.opt as mto
-
-    return any(mto.ModeloptStateManager.is_converted(m) for m in _chunks(model))
-
-
-def enabled_quantizers(model: Any) -> Iterator[tuple[str, Any]]:
-    """(name, quantizer) of every enabled ModelOpt ``TensorQuantizer`` of ``model`` on this rank;
-    names are prefixed ``<chunk>.`` for several chunks."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    chunks = _chunks(model)
-    for i, chunk in enumerate(chunks):
-        for name, m in chunk.named_modules():
-            if isinstance(m, TensorQuantizer) and m.is_enabled:
-                yield (f"{i}.{name}" if len(chunks) > 1 else name), m
-
-
-def _needs_amax(quantizer: Any) -> bool:
-    """True for a quantizer that calibration gives a fixed ``_amax`` (not dynamic, not MX)."""
-    return not getattr(quantizer, "_dynamic", False) and not getattr(
-        quantizer, "is_mx_format", False
-    )
-
-
-def quantizer_summary(model: Any) -> dict[str, Any]:
-    """ModelOpt quantizers of ``model`` on this rank.
-
-    Returns:
-        {'quantizers': number of ``TensorQuantizer`` modules, 'enabled': enabled ones, 'static':
-        enabled ones with a fixed (calibrated) range, 'calibrated': static ones holding an
-        ``_amax``, 'uncalibrated': names of the static ones without (at most 8)}.
-    """
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    total = sum(isinstance(m, TensorQuantizer) for chunk in _chunks(model) for m in chunk.modules())
-    enabled = list(enabled_quantizers(model))
-    static = [(n, q) for n, q in enabled if _needs_amax(q)]
-    missing = [n for n, q in static if getattr(q, "_amax", None) is None]
-    return {
-        "quantizers": total,
-        "enabled": len(enabled),
-        "static": len(static),
-        "calibrated": len(static) - len(missing),
-        "uncalibrated": missing[:8],
-    }
-
-
-def print_quant_summary(model: Any, msg: str = "") -> None:
-    """Stand-in for Megatron-LM's ``megatron.post_training.utils.print_distributed_quant_summary``
-    (absent from megatron-core 0.19.2): one log line on rank 0,
-    ``ModelOpt (<msg>): rank 0 holds {<quantizer_summary>}``, if ``model`` is ModelOpt-converted;
-    nothing otherwise."""
-    if not is_modelopt_converted(model):
-        return
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        logger.warning(
-            "ModelOpt%s: rank 0 holds %s", f" ({msg})" if msg else "", quantizer_summary(model)
-        )
-
-
-def checkpoint_tensors(checkpoint_dir: Any) -> dict[str, tuple[tuple, torch.dtype]] | None:
-    """key -> (global shape, dtype) of the tensors in a ``torch_dist`` checkpoint, or ``None`` if
-    its metadata cannot be read (another format). Reads ``.metadata`` only (no collective)."""
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        md = FileSystemReader(str(checkpoint_dir)).read_metadata()
-    except Exception:  # noqa: BLE001 - not a DCP checkpoint: the caller leaves it to upstream
-        return None
-    return {
-        k: (tuple(v.size), v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
 
 
 def latest_checkpoint_dir(load_dir: str | None) -> str | None:

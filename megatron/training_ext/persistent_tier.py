@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from megatron.overlay.registry import Patcher, wraps_upstream
 from megatron.integrity import manifest as mf
 from megatron.integrity.manifest import CheckpointIntegrityError
+from megatron.overlay import Patch, Patcher, alias_of, wraps_upstream
 from megatron.training_ext.console import write_line
 
 logger = logging.getLogger("megatron.training_ext.persistent_tier")
@@ -339,6 +339,55 @@ def _no_fallback_advice(failed: Path, user_step, failures) -> str:
     )
 
 
+def _wrap_load_checkpoint_of_run(upstream):
+    """Factory: :func:`_wrap_load_checkpoint` of ``upstream`` with the run's arguments."""
+    import megatron.training.checkpointing as ckpt
+
+    return _wrap_load_checkpoint(upstream, lambda: ckpt.get_args())
+
+
+_LOAD_WHY = (
+    "a checkpoint that fails verification falls back to the previous complete one, on "
+    "every rank together"
+)
+_DC, _SER = "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.serialization"
+
+#: What :func:`install` replaces, in order.
+PATCHES = tuple(
+    Patch(f"{owner}.{name}", factory, why, params=params)
+    for owner in (_DC, _SER)
+    for name, factory, why, params in (
+        (
+            "save",
+            _wrap_save,
+            "every torch_dist save writes integrity.json (per-block xxh3) when done",
+            ("checkpoint_dir", "verify_integrity"),
+        ),
+        (
+            "load",
+            _wrap_load,
+            "a torch_dist load verifies sizes and checksums before reading",
+            ("checkpoint_dir", "verify_integrity"),
+        ),
+        (
+            "load_common_state_dict",
+            _wrap_load_common,
+            "the common state is verified before it is unpickled",
+            (),
+        ),
+    )
+) + (
+    Patch(
+        "megatron.training.checkpointing.load_checkpoint", _wrap_load_checkpoint_of_run, _LOAD_WHY
+    ),
+    Patch(
+        "megatron.training.training.load_checkpoint",
+        alias_of("megatron.training.checkpointing.load_checkpoint"),
+        _LOAD_WHY + " (train()'s own binding)",
+    ),
+)
+
+
 def install(args: Any) -> None:
     """Install checksums at save, verification at load and the fallback, for ``args``
     (``install_training_hooks`` calls it). Idempotent: a second call (a new start of training
@@ -362,50 +411,15 @@ def install(args: Any) -> None:
         _POLICY = policy
         _VERIFIED.clear()
         return
-    import megatron.core.dist_checkpointing as dc
-    import megatron.core.dist_checkpointing.serialization as ser
-    import megatron.training.checkpointing as ckpt
-    import megatron.training.training as training
-
-    for fn, params in (
-        (ser.save, ("checkpoint_dir", "verify_integrity")),
-        (ser.load, ("checkpoint_dir", "verify_integrity")),
-        (ckpt.load_checkpoint, ()),
-    ):
-        missing = [p for p in params if p not in inspect.signature(fn).parameters]
-        if missing:
-            raise RuntimeError(
-                f"persistent_tier: {fn.__module__}.{fn.__qualname__} has no parameter "
-                f"{missing[0]!r}; this module targets megatron-core 0.19.2"
-            )
+    problems = [problem for patch in PATCHES if (problem := patch.check())]
+    if problems:
+        raise RuntimeError(
+            f"persistent_tier: {problems[0]}; this module relies on it (megatron/overlay/pins.py "
+            "lists the proven upstreams)"
+        )
     _POLICY = policy
-    for owner in (dc, ser):
-        _PATCHER.replace(
-            owner,
-            "save",
-            _wrap_save(owner.save),
-            "every torch_dist save writes integrity.json (per-block xxh3) when done",
-        )
-        _PATCHER.replace(
-            owner,
-            "load",
-            _wrap_load(owner.load),
-            "a torch_dist load verifies sizes and checksums before reading",
-        )
-        _PATCHER.replace(
-            owner,
-            "load_common_state_dict",
-            _wrap_load_common(owner.load_common_state_dict),
-            "the common state is verified before it is unpickled",
-        )
-    wrapped = _wrap_load_checkpoint(ckpt.load_checkpoint, lambda: ckpt.get_args())
-    why = (
-        "a checkpoint that fails verification falls back to the previous complete one, on "
-        "every rank together"
-    )
-    _PATCHER.replace(ckpt, "load_checkpoint", wrapped, why)
-    if getattr(training, "load_checkpoint", None) is not None:
-        _PATCHER.replace(training, "load_checkpoint", wrapped, why + " (train()'s own binding)")
+    for patch in PATCHES:
+        patch.install(_PATCHER)
     logger.info(
         "persistent_tier: installed (write=%s verify=%s require=%s)",
         policy.write,

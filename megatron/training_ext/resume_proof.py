@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.overlay.registry import Patcher, wraps_upstream
 from megatron.integrity import state_digest as sd
+from megatron.overlay import OverlayError, Patch, Patcher, alias_of, wraps_upstream
 from megatron.training_ext.console import write_line
 
 logger = logging.getLogger("megatron.training_ext.resume_proof")
@@ -64,11 +64,11 @@ _MASK = (1 << 64) - 1
 SHOWN = 8
 
 
-class DigestUnavailable(RuntimeError):
+class DigestUnavailable(OverlayError, RuntimeError):
     """Some rank could not digest its state (raised on every rank, after the exchange)."""
 
 
-class ResumeProofError(SystemExit):
+class ResumeProofError(SystemExit, OverlayError):
     """The state a load rebuilt differs from the state that was saved (raised on every rank,
     before training; exit status 1 with the message)."""
 
@@ -817,6 +817,37 @@ def _wrap_load_checkpoint(orig):
     return load_checkpoint
 
 
+_CKPT = "megatron.training.checkpointing"
+_WHY_SAVE = "every save records a topology-independent digest of the live training state"
+_WHY_LOAD = "every load is proven equal to the saved state before training"
+
+#: What :func:`install` replaces, in order.
+PATCHES = (
+    Patch(f"{_CKPT}.save_checkpoint", _wrap_save_checkpoint, _WHY_SAVE),
+    Patch(
+        "megatron.training.training.save_checkpoint",
+        alias_of(f"{_CKPT}.save_checkpoint", only_if_same=True),
+        _WHY_SAVE + " (train()'s binding)",
+    ),
+    Patch(
+        f"{_CKPT}.generate_state_dict",
+        _wrap_generate_state_dict,
+        "the digest travels in the checkpoint's common state (local checkpoints too)",
+    ),
+    Patch(
+        f"{_CKPT}._load_base_checkpoint",
+        _wrap_load_base_checkpoint,
+        "remembers the digest and the tier of what a load read",
+    ),
+    Patch(f"{_CKPT}.load_checkpoint", _wrap_load_checkpoint, _WHY_LOAD),
+    Patch(
+        "megatron.training.training.load_checkpoint",
+        alias_of(f"{_CKPT}.load_checkpoint", only_if_same=True, otherwise=_wrap_load_checkpoint),
+        _WHY_LOAD + " (train()'s binding)",
+    ),
+)
+
+
 def install(args: Any) -> None:
     """Install the digest at save and the proof at load for ``args.resume_proof`` (``error``:
     a differing load stops every rank; ``warn``; ``off``: nothing is installed). Idempotent."""
@@ -827,36 +858,9 @@ def install(args: Any) -> None:
         return
     if mode == "off":
         return
-    from megatron.training import checkpointing as ckpt
-    from megatron.training import training
-
     _STATE = _State(mode=mode)
-    why_save = "every save records a topology-independent digest of the live training state"
-    orig_save = ckpt.save_checkpoint
-    wrapped = _wrap_save_checkpoint(orig_save)
-    _PATCHER.replace(ckpt, "save_checkpoint", wrapped, why_save)
-    if getattr(training, "save_checkpoint", None) is orig_save:
-        _PATCHER.replace(training, "save_checkpoint", wrapped, why_save + " (train()'s binding)")
-    _PATCHER.replace(
-        ckpt,
-        "generate_state_dict",
-        _wrap_generate_state_dict(ckpt.generate_state_dict),
-        "the digest travels in the checkpoint's common state (local checkpoints too)",
-    )
-    _PATCHER.replace(
-        ckpt,
-        "_load_base_checkpoint",
-        _wrap_load_base_checkpoint(ckpt._load_base_checkpoint),
-        "remembers the digest and the tier of what a load read",
-    )
-    why_load = "every load is proven equal to the saved state before training"
-    orig_load = ckpt.load_checkpoint
-    wrapped_load = _wrap_load_checkpoint(orig_load)
-    _PATCHER.replace(ckpt, "load_checkpoint", wrapped_load, why_load)
-    own = getattr(training, "load_checkpoint", None)
-    if own is not None:
-        bound = wrapped_load if own is orig_load else _wrap_load_checkpoint(own)
-        _PATCHER.replace(training, "load_checkpoint", bound, why_load + " (train()'s binding)")
+    for patch in PATCHES:
+        patch.install(_PATCHER)
 
 
 def uninstall() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional_tests.launch import run_pretrain
+from tests.helpers.launch import run_pretrain
 
 #: ``--train-iters 16 --exit-interval 14``: the schedule of the local-tier tests (faults, trust).
 SCHEDULE_16_EXIT_14 = ["--train-iters", "16", "--exit-interval", "14"]

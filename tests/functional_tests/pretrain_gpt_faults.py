@@ -1,5 +1,5 @@
 """Test-only entrypoint: ``pretrain_gpt.py`` plus the fault hooks of
-:mod:`tests.functional_tests.fault_injection`, armed by ``MEGATRON_TEST_*`` variables (with none
+:mod:`tests.helpers.fault_injection`, armed by ``MEGATRON_TEST_*`` variables (with none
 set it trains exactly as ``pretrain_gpt.py`` does). Same command line:
 
     MEGATRON_TEST_FAULT=rank=1,iteration=4 \\
@@ -21,18 +21,18 @@ if __name__ == "__main__":
         del sys.path[0]
     sys.path.insert(0, str(_HERE.parents[1]))
 
-import megatron.fixes  # noqa: E402
-from megatron.training_ext import args as fork_args  # noqa: E402
+import megatron.fixes
+from megatron.training_ext import args as fork_args
 
 if __name__ == "__main__":  # not in processes that re-import __main__ (multiprocessing spawn)
     megatron.fixes.apply()
     fork_args.prepare_cpu_backend(sys.argv)  # activates megatron.cpu and adds its flags
 
-from megatron.overlay.registry import Patcher, wraps_upstream  # noqa: E402
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 if __name__ != "__mp_main__":  # as pretrain_gpt.SPAWNED: spawned processes need none of these
     import pretrain_gpt  # (imports upstream's training modules)
-    from tests.functional_tests import fault_injection
+    from tests.helpers import fault_injection
 
 _PATCHER = Patcher("fault_injection")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional_tests import launch as fl
+from tests.helpers import launch as fl
 
 #: (name, extra arguments, flags the message must name, text it must contain)
 MISTAKES = [

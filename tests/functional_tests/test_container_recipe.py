@@ -30,8 +30,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.functional_tests.launch import REPO, TINY_GPT
 from tests.helpers.dist import free_port
+from tests.helpers.launch import REPO, TINY_GPT
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

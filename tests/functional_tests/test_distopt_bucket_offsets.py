@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+from tests.helpers.launch import assert_bitwise_equal, run_pretrain
 
 pytestmark = pytest.mark.slow
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.functional_tests.conftest import SCHEDULE_16_EXIT_14
-from tests.functional_tests.launch import (
+from tests.helpers import fastlaunch
+from tests.helpers.dist import free_port
+from tests.helpers.launch import (
     assert_bitwise_equal,
     launch_env,
     run_captured,
     run_pretrain,
 )
-from tests.helpers import fastlaunch
-from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+from tests.helpers.launch import assert_bitwise_equal, run_pretrain
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,6 @@ import importlib.util
 import pytest
 import torch
 
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
 from tests.functional_tests.test_fsdp_mla_mtp import (
     ENV,
     MODEL,
@@ -37,6 +36,7 @@ from tests.functional_tests.test_fsdp_mla_mtp import (
     resave_from_other_seed,
     train_straight,
 )
+from tests.helpers.launch import assert_bitwise_equal, run_pretrain
 
 WORLD = 2
 pytestmark = [

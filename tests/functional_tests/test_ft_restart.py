@@ -3,7 +3,7 @@
 
 Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations
 and local checkpoints every 2, replicated to the other rank. Faults are deterministic
-(:mod:`tests.functional_tests.fault_injection`; those runs launch the test entrypoint
+(:mod:`tests.helpers.fault_injection`; those runs launch the test entrypoint
 ``tests/functional_tests/pretrain_gpt_faults.py``): rank 1 leaves with ``os._exit(1)`` just before
 iteration 7, after the local checkpoint at 6 was saved.
 
@@ -35,7 +35,8 @@ import pytest
 
 from megatron.training_ext import loss_log
 from megatron.training_ext.local_tier import LOCAL_TIER_BAD_EXIT_CODE, MARKER_NAME
-from tests.functional_tests.launch import (
+from tests.helpers.dist import free_port
+from tests.helpers.launch import (
     ENTRY,
     FAULTS_ENTRY,
     REPO,
@@ -43,10 +44,10 @@ from tests.functional_tests.launch import (
     assert_bitwise_equal,
     device,
     launch_env,
+    local_tier_args,
     run_captured,
     run_pretrain,
 )
-from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -60,17 +61,7 @@ TIERS = [
     "ckpt",
     "--save-interval",
     "5",
-    "--non-persistent-ckpt-type",
-    "local",
-    "--non-persistent-save-interval",
-    "2",
-    "--non-persistent-local-ckpt-dir",
-    "local",
-    "--replication",
-    "--replication-jump",
-    "1",
-    "--replication-factor",
-    "2",
+    *local_tier_args(2, "local"),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+from tests.helpers.launch import assert_bitwise_equal, run_pretrain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 GPU_ENV = {"MEGATRON_TEST_DEVICE": "cuda"}

@@ -19,7 +19,7 @@ import zipfile
 import pytest
 import torch
 
-from tests.functional_tests import fault_injection
+from tests.helpers import fault_injection
 from tests.helpers.dist import run_distributed
 
 WORLD = 2
@@ -345,7 +345,7 @@ def _scenarios(rank, world, root):
             loss = float("nan") if (model == "nan" and rank == 1) else 1.5
             return {"lm loss": torch.tensor(loss)}, 0, False, False, 0, 0.5, None, None
 
-        step = lt._wrap_train_step(upstream)
+        step = lt.wrap_train_step(upstream)
         ok = step(None, None, "finite", None, None, None, None, iteration=10)
         assert ok[3:5] == (False, 0) and not os.path.exists(
             os.path.join(g, str(rank), lt.MARKER_NAME)
@@ -389,9 +389,7 @@ def _scenarios(rank, world, root):
             )
             return {"lm loss": torch.tensor(2.0)}, 0, False, False, 0, 0.5, None, None
 
-        out = lt._wrap_train_step(upstream_h)(
-            None, None, None, None, None, None, None, iteration=10
-        )
+        out = lt.wrap_train_step(upstream_h)(None, None, None, None, None, None, None, iteration=10)
         assert out[4] == lt.LOCAL_TIER_BAD_EXIT_CODE, f"H: {out}"
         reason = lt.read_marker(os.path.join(h, str(rank)))["reason"]
         assert "found NaN in local forward loss calculation" in reason and "rank 0" in reason, (
@@ -522,7 +520,7 @@ def test_flip_byte_changes_one_tensor_value_and_keeps_the_file_loadable(tmp_path
 
 
 def test_finite_flags_per_dtype():
-    from megatron.training_ext.local_tier import _finite_flags
+    from megatron.training_ext.local_tier import finite_flags
 
     nan32 = torch.randn(1000)
     nan32[5] = float("nan")
@@ -532,7 +530,7 @@ def test_finite_flags_per_dtype():
     nan_c = torch.randn(10, dtype=torch.complex64)
     nan_c[2] = complex(float("nan"), 0.0)
     neg_pos_inf = torch.tensor([float("inf"), -float("inf")])
-    flags = _finite_flags(
+    flags = finite_flags(
         [
             nan32,
             inf16,

@@ -1,7 +1,7 @@
 """Faults during and around local checkpoint saves, on the real entrypoint (``pretrain_gpt.py``, 2
 ranks, ``--cpu``; the runs with faults launch the test entrypoint
 ``tests/functional_tests/pretrain_gpt_faults.py``, ``pretrain_gpt.py`` plus the hooks of
-:mod:`tests.functional_tests.fault_injection`), and a two-node run on one machine that loses a node.
+:mod:`tests.helpers.fault_injection`), and a two-node run on one machine that loses a node.
 
 Every run trains ``--train-iters 16 --exit-interval 14`` with persistent ``torch_dist`` checkpoints
 every 5 iterations and local checkpoints every 2, replicated to the other rank (jump 1, factor 2);
@@ -47,17 +47,18 @@ from pathlib import Path
 import pytest
 
 from megatron.training_ext import loss_log
-from tests.functional_tests.fault_injection import ENV_FAULT, ENV_KILL_LOCAL_SAVE
-from tests.functional_tests.launch import (
+from tests.helpers.dist import free_port
+from tests.helpers.fault_injection import ENV_FAULT, ENV_KILL_LOCAL_SAVE
+from tests.helpers.launch import (
     FAULTS_ENTRY,
     assert_bitwise_equal,
     local_files,
+    local_tier_args,
     run_pretrain_reaped,
     start_lines,
     start_node,
     wait_until,
 )
-from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -75,17 +76,7 @@ TIERS = [
     "5",
     "--ckpt-format",
     "torch_dist",
-    "--non-persistent-ckpt-type",
-    "local",
-    "--non-persistent-save-interval",
-    "2",
-    "--non-persistent-local-ckpt-dir",
-    "local",
-    "--replication",
-    "--replication-jump",
-    "1",
-    "--replication-factor",
-    "2",
+    *local_tier_args(2, "local"),
 ]
 SEED = 20260611
 FT_LAUNCHER = Path(sys.executable).parent / "ft_launcher"

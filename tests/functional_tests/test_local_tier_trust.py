@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional_tests.fault_injection import flip_byte_in_largest_storage
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain, start_lines
+from tests.helpers.fault_injection import flip_byte_in_largest_storage
+from tests.helpers.launch import (
+    assert_bitwise_equal,
+    local_tier_args,
+    run_pretrain,
+    start_lines,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,17 +39,7 @@ def tiers(work: Path) -> list[str]:
         "5",
         "--ckpt-format",
         "torch_dist",
-        "--non-persistent-ckpt-type",
-        "local",
-        "--non-persistent-save-interval",
-        "2",
-        "--non-persistent-local-ckpt-dir",
-        str(work / "local"),
-        "--replication",
-        "--replication-jump",
-        "1",
-        "--replication-factor",
-        "2",
+        *local_tier_args(2, work / "local"),
     ]
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from megatron.integrity import manifest as mf
 from tests.functional_tests.conftest import SCHEDULE_16_EXIT_14
-from tests.functional_tests.launch import assert_bitwise_equal, run_pretrain
+from tests.helpers.launch import assert_bitwise_equal, run_pretrain
 
 pytestmark = pytest.mark.slow
 

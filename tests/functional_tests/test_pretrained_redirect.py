@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.functional_tests.launch import FAULTS_ENTRY, run_pretrain, run_pretrain_reaped
+from tests.helpers.launch import FAULTS_ENTRY, run_pretrain, run_pretrain_reaped
 
 pytestmark = pytest.mark.slow
 

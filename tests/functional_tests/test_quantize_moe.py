@@ -30,7 +30,9 @@ import pytest
 import torch
 
 from megatron.integrity.local_identity import RUN_TOKEN_FILE
-from tests.functional_tests.launch import (
+from tests.helpers import fastlaunch
+from tests.helpers.dist import free_port
+from tests.helpers.launch import (
     REPO,
     TINY_GPT,
     Run,
@@ -41,8 +43,6 @@ from tests.functional_tests.launch import (
     run_captured,
     run_pretrain,
 )
-from tests.helpers import fastlaunch
-from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.slow
 

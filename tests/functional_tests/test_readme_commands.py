@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional_tests.launch import REPO, count_real_launch, printed_losses
+from tests.helpers.launch import REPO, count_real_launch, printed_losses
 
 MARKER = re.compile(r"^<!-- runnable: ([\w-]+) -->$")
 QUICK = {"cpu-train"}

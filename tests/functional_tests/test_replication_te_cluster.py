@@ -14,7 +14,7 @@ Model: the tiny GPT of ``launch.py`` in bf16 with FP8 parameters (``--fp8-format
 and the persistent ``torch_dist`` checkpoint are both written at iteration 10.
 
 * fixed: every primary and every replica is bitwise equal to the persistent checkpoint (the
-  forensic verifier, ``megatron.integrity.verify``), all checksums verify, no NaN/Inf, and each
+  forensic verifier, ``megatron.verify``), all checksums verify, no NaN/Inf, and each
   rank logged that it stored dequantized ``Float8Tensor`` parameters (so the test proves the real
   TE type went through the fix, not a plain-tensor model);
 * guard (``MEGATRON_FIXES_DISABLE=replication``, NVRx 0.7.0 as shipped): at least one replica
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.functional_tests.launch import both_tiers_at, run_pretrain
+from tests.helpers.launch import both_tiers_at, run_pretrain
 
 WORLD = 2
 
@@ -80,7 +80,7 @@ def _local_files(work: Path) -> list[Path]:
 
 
 def test_fp8_param_primaries_and_replicas_equal_persistent(tmp_path):
-    from megatron.integrity.verify import verify_checkpoint
+    from megatron.verify import verify_checkpoint
 
     run = _train(tmp_path, ENV)
     # each rank dequantized real TE Float8Tensor parameters for its primary and replicas

@@ -10,11 +10,12 @@ import shutil
 
 import pytest
 
-from tests.functional_tests.launch import (
+from tests.helpers.launch import (
     FAULTS_ENTRY,
     assert_bitwise_equal,
     assert_printed_losses_match_log,
     iterations_during_save,
+    local_tier_args,
     run_pretrain,
     save_timeline,
     start_lines,
@@ -23,17 +24,7 @@ from tests.functional_tests.launch import (
 pytestmark = pytest.mark.slow
 
 RESUMED = range(11, 21)
-LOCAL = [
-    "--non-persistent-ckpt-type",
-    "local",
-    "--non-persistent-save-interval",
-    "5",
-    "--replication",
-    "--replication-jump",
-    "1",
-    "--replication-factor",
-    "2",
-]
+LOCAL = local_tier_args(5, local_dir=None)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +47,7 @@ def _first_half(workdir, *extra):
     return run
 
 
+@pytest.mark.compat  # the compatibility lane: a dense run trains, saves and resumes on main
 def test_torch_dist_resume_is_bitwise(tmp_path, straight):
     """Also: the loss upstream prints (``--log-interval 1``) is each iteration's own, in both
     starts (fix ``training_log``: unfixed, iterations 2 and 12 print the mean of two)."""
@@ -83,6 +75,7 @@ def test_resume_without_rng_state_is_not_bitwise(tmp_path, straight):
     assert straight[11]["lm loss"] != resumed.losses[11]["lm loss"]
 
 
+@pytest.mark.compat
 def test_local_checkpoint_resume_and_replica_recovery_are_bitwise(tmp_path, straight):
     run_dir = tmp_path / "run"
     _first_half(

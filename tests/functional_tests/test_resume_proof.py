@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron.integrity import manifest as mf
-from tests.functional_tests.launch import REPO, assert_bitwise_equal, run_pretrain
+from tests.helpers.launch import REPO, assert_bitwise_equal, run_pretrain
 
 DISTOPT_FR = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
 PROOF_LINE = "[resume-proof] iteration 8:"
@@ -65,6 +65,7 @@ def test_save_writes_a_readable_digest_the_tool_confirms(saved_at_8):
     assert f"{n} of {n} tensors equal" in r.stdout
 
 
+@pytest.mark.compat
 def test_resume_is_proven_and_bitwise(saved_at_8, tmp_path):
     work, straight = saved_at_8
     ck = tmp_path / "ck"

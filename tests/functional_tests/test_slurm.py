@@ -1,5 +1,5 @@
 """``examples/slurm/pretrain_gpt_local_ckpt.sbatch`` on a real single-node SLURM (started by
-:mod:`tests.functional_tests.slurm_harness`), pyxis off (``USE_PYXIS=0``): ``sbatch --wait`` runs
+:mod:`tests.helpers.slurm_harness`), pyxis off (``USE_PYXIS=0``): ``sbatch --wait`` runs
 ``pretrain_gpt.py --cpu`` as two SLURM tasks (``srun``) with local checkpoints and replication.
 
 1. A job trains to completion: both tasks run, every iteration's loss is logged, both ranks hold
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from megatron.training_ext import loss_log
-from tests.functional_tests import slurm_harness
-from tests.functional_tests.launch import FAULTS_ENTRY, REPO, device, run_captured
+from tests.helpers import slurm_harness
 from tests.helpers.dist import free_port
+from tests.helpers.launch import FAULTS_ENTRY, REPO, device, run_captured
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

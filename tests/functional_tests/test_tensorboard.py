@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from tests.functional_tests.launch import run_pretrain
+from tests.helpers.launch import run_pretrain
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def _worker(rank, world_size, port, env, fn, args, errors):
         errors.put((rank, traceback.format_exc()))
         try:
             dist.destroy_process_group()
-        except Exception:
+        except Exception:  # noqa: BLE001 - teardown: a broken group is gone anyway
             pass
         raise
     dist.destroy_process_group()
@@ -179,7 +179,7 @@ def _script_worker(code, path, argv, env, cwd, out_path, err_path):
         else:
             print(e.code, file=sys.stderr)
             status = 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a worker reports any failure to its parent
         kind, value, tb = sys.exc_info()
         first = tb  # the traceback from the script's own frame on, as the interpreter prints it
         while first is not None and first.tb_frame.f_code.co_filename in (__file__, runpy.__file__):

@@ -233,26 +233,26 @@ def _run_rank(req: dict, rank: int, prefix: tuple[bytes, bytes], error_dir: str)
             else:
                 print(e.code, file=sys.stderr)
                 code = 1
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a rank reports any failure as torchrun would
             sys.excepthook(*sys.exc_info())
             code = 1
         try:  # what a normal exit runs before finalization
             threading._shutdown()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best-effort shutdown of a rank
             pass
         atexit._run_exitfuncs()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - best-effort shutdown of a rank
         try:
             import traceback
 
             traceback.print_exc()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - best-effort shutdown of a rank
             pass
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - best-effort shutdown of a rank
             pass
         os._exit(code & 0xFF)
 
@@ -367,7 +367,7 @@ def serve(sock_path: str, cpu: bool) -> None:
             code = 0
             try:
                 _agent(conn, req, prefix)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - the agent reports any failure of a launch
                 code = 1
                 try:
                     _send(conn, {"event": "error", "error": f"{type(e).__name__}: {e}"})
@@ -450,7 +450,7 @@ class Server:
             try:
                 self.request({"op": "quit"}).close()
                 self.proc.wait(timeout=10)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a server that does not quit is killed
                 self.proc.kill()
                 self.proc.wait()
 
@@ -573,7 +573,7 @@ def bench(repeats: int = 3) -> None:
     each from request to exit; prints a table of wall seconds (min / median / max), the server's
     one-time start, and the peak of the summed PSS (MiB) of the server and every process under it
     (the ranks, and the helpers they spawn at their first ``torch_dist`` save)."""
-    from tests.functional_tests import launch as fl
+    from tests.helpers import launch as fl
 
     base = Path(tempfile.mkdtemp(prefix="fastlaunch-bench-"))
     t0 = time.monotonic()

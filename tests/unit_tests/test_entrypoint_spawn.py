@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.functional_tests.launch import ENTRY, FAULTS_ENTRY, REPO
+from tests.helpers.launch import ENTRY, FAULTS_ENTRY, REPO
 
 #: Runs an entrypoint as ``run_name`` in a fresh interpreter (what multiprocessing's spawn does
 #: with ``__mp_main__``) and prints which of the heavy modules it imported.

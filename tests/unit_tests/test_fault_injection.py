@@ -1,5 +1,5 @@
 """``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` (test-only hook of
-:mod:`tests.functional_tests.fault_injection`): the parser (values and errors), and the hook itself
+:mod:`tests.helpers.fault_injection`): the parser (values and errors), and the hook itself
 on NVRx's ``LocalCheckpointManager`` (and on a subclass of it, as the local tier installs one) in a
 one-rank gloo world: each case runs in a forked child that really receives ``SIGKILL``; the files
 it leaves behind are checked."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional_tests import fault_injection as fi
+from tests.helpers import fault_injection as fi
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,7 +130,7 @@ import json, os, signal, sys, traceback
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
-from tests.functional_tests import fault_injection as fi
+from tests.helpers import fault_injection as fi
 
 NVRX_CLASS = local_manager.LocalCheckpointManager
 
@@ -314,7 +314,7 @@ def test_abort_async_save_spec_errors(monkeypatch, spec, async_save):
     is installed otherwise."""
     import types
 
-    from tests.functional_tests import fault_injection as fi
+    from tests.helpers import fault_injection as fi
 
     monkeypatch.setenv(fi.ENV_ABORT_ASYNC, spec)
     with pytest.raises(ValueError, match="needs an iteration number and --async-save"):

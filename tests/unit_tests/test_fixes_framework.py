@@ -17,7 +17,6 @@ class _Fake(Fix):
     title = "fake fix for tests"
     upstream_refs = ("test",)
     package = "megatron-core"
-    proven = "==0.19.2"
     # not a declared Patch: its patch point cannot be checked, so outside the proven versions a
     # defect-showing probe is refused rather than patched blindly
     patches = (PatchSpec("target.attr", "replacement", "why"),)
@@ -50,9 +49,13 @@ def test_apply_is_idempotent_and_reset_restores():
 
 
 def test_unsupported_version_is_a_clear_error():
+    import importlib.metadata
+    import re
+
+    installed = re.escape(importlib.metadata.version("megatron-core"))
     fix = _Fake(proven="==0.1.0")
     with pytest.raises(
-        UnsupportedUpstreamError, match=r"megatron-core==0\.1\.0.*0\.19\.2 is installed"
+        UnsupportedUpstreamError, match=rf"megatron-core==0\.1\.0.*{installed} is installed"
     ):
         fix.apply()
     assert fix.installs == 0 and fix.target.attr == "original"
@@ -69,6 +72,13 @@ def test_missing_package_is_not_applicable():
     assert fix.apply() is FixStatus.NOT_APPLICABLE and fix.installs == 0
 
 
+_MAIN_HAS_PR_5077 = pytest.mark.fixed_upstream(
+    "megatron-core==0.20.0",
+    "Megatron-LM PR 5077 is on upstream main: distopt_bucket_offsets stands aside there",
+)
+
+
+@_MAIN_HAS_PR_5077
 def test_registry_apply_twice_patches_once(monkeypatch):
     monkeypatch.delenv(fixes.DISABLE_ENV, raising=False)
     first = fixes.apply()
@@ -93,6 +103,11 @@ def test_disable_env_names_are_checked(monkeypatch):
         fixes.apply()
 
 
+@pytest.mark.upstream_defect(
+    "megatron-core==0.20.0",
+    "Megatron-LM PR 5748: fsdp_dtensor's functional tests (MLA + MTP) cannot run on upstream "
+    "main, so it is not proven there (megatron/overlay/pins.py NARROWED)",
+)
 def test_every_fix_declares_its_patches_and_targets_the_pins():
     import importlib.metadata as md
 
@@ -119,6 +134,7 @@ def test_pinned_upstream_still_has_every_defect():
 
 
 @pytest.mark.slow
+@_MAIN_HAS_PR_5077
 def test_cli_lists_fixes(fixes_cli):
     out = fixes_cli["text"]  # python -m megatron.fixes (tests/unit_tests/conftest.py)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -144,8 +160,10 @@ def test_cli_lists_fixes(fixes_cli):
 def test_apply_logs_one_summary_line_on_rank_zero(caplog, monkeypatch):
     """The fixes a call installs are summarised in one line on rank 0, none on other ranks; each
     fix's own line is DEBUG (``python -m megatron.fixes`` lists them)."""
+    import importlib.metadata
     import logging
 
+    core = importlib.metadata.version("megatron-core")
     fixes.apply()
     active = [f for f in fixes.fixes() if f.status is FixStatus.ACTIVE]
     assert active
@@ -158,7 +176,7 @@ def test_apply_logs_one_summary_line_on_rank_zero(caplog, monkeypatch):
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == expected, lines
         if expected:
-            assert lines[0].startswith(f"[fixes] {len(active)} active on megatron-core 0.19.2 / ")
+            assert lines[0].startswith(f"[fixes] {len(active)} active on megatron-core {core} / ")
             assert lines[0].endswith("(python -m megatron.fixes for details)")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron.fixes"):

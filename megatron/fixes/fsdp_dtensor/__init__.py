@@ -16,7 +16,6 @@ Design notes: ``docs/fixes/fsdp_dtensor.md``.
 
 from __future__ import annotations
 
-from megatron.overlay import FixGroup
 from megatron.fixes.fsdp_dtensor.empty_shards import (
     EmptyShardsFix,
     StepAgreement,
@@ -67,6 +66,7 @@ from megatron.fixes.fsdp_dtensor.strictness import (
     unexpected_model_keys,
     validate_fsdp_dtensor_model_load,
 )
+from megatron.overlay import FixGroup
 
 __all__ = [
     "FIX",

@@ -12,15 +12,16 @@ packer to run :func:`fill_empty_shard_states` first.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterable
 
 import torch
 
-from megatron.overlay import Fix
 from megatron.fixes.fsdp_dtensor.probes import upstream_of
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.fixes.standins import new_optimizer
+from megatron.overlay import Fix, Patch
+from megatron.overlay.registry import wraps_upstream
 
 #: torch optimizers that keep ``step`` per parameter (in ``state[param]['step']``).
 _PER_PARAM_STEP = (torch.optim.Adam, torch.optim.AdamW)
@@ -154,12 +155,89 @@ def fill_empty_shard_states(dist_optimizer) -> list[str]:
     return filled
 
 
-def upstream_keeps_empty_shard_state() -> bool:
-    """Probe: upstream gives empty-shard parameters optimizer state (or keeps their gradient).
+def wrap_sharded_param_state_fsdp_dtensor(upstream):
+    """Factory of the replacement of ``DistributedOptimizer.sharded_param_state_fsdp_dtensor``:
+    :func:`fill_empty_shard_states` before upstream's packing."""
 
-    No upstream API answers this yet, so it reads the source of
-    ``ParamAndGradBuffer.update_main_grads`` (drops the gradient of an empty shard?) and of
-    ``sharded_param_state_fsdp_dtensor`` (handles empty shards?); False without source.
+    @wraps_upstream(upstream)
+    def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+        """Upstream's packing after :func:`fill_empty_shard_states`. On load, upstream's
+        dummy-state init runs first, here and only once, so the placeholders take its step."""
+        if is_loading:
+            self._init_optimizer_states_with_dummy_values()
+        fill_empty_shard_states(self)
+        return upstream(self, is_loading=False)
+
+    return sharded_param_state_fsdp_dtensor
+
+
+class _ProbeOptimizer:
+    """Stand-in ``self`` of upstream's ``DistributedOptimizer`` methods: a Megatron-FSDP
+    distributed optimizer of one rank over a torch Adam with two float32 parameters, ``full``
+    (local shard ``[2]``) and ``empty`` (local shard ``[0]``: another rank owns it all)."""
+
+    def __init__(self) -> None:
+        self.full = torch.nn.Parameter(torch.ones(2))
+        self.empty = torch.nn.Parameter(torch.ones(0))
+        self.optimizer = new_optimizer(torch.optim.Adam, [self.full, self.empty], lr=0.1)
+        self.ddp_config = SimpleNamespace(use_megatron_fsdp=True)
+        self.param_to_name = {self.full: "full", self.empty: "empty"}
+        self.optimizer_state_keys = ("exp_avg", "exp_avg_sq")
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def _param_name(self, param) -> str:
+        return self.param_to_name[param]
+
+
+def _load_packs_same_keys(packer, dummy_init, groups_meta) -> bool:
+    """Upstream's load-time packing (``is_loading=True``: dummy-state init, then packing) of
+    :class:`_ProbeOptimizer`: do both parameters get the same optimizer-state keys?"""
+    opt = _ProbeOptimizer()
+    opt._init_optimizer_states_with_dummy_values = lambda: dummy_init(opt)
+    opt._param_groups_to_param2group_meta = lambda groups: groups_meta(opt, groups)
+    packed = packer(opt, is_loading=True)["state"]
+    full, empty = packed.get("full"), packed.get("empty")
+    return bool(full) and empty is not None and set(empty) == set(full)
+
+
+def _save_keeps_empty_grad(buffer_cls) -> bool:
+    """Upstream's ``ParamAndGradBuffer.update_main_grads`` on a stand-in buffer of one parameter
+    whose local gradient shard is empty: does the parameter keep a gradient (so that torch Adam
+    gives it state at the next step, as its peers get)?"""
+    local = torch.zeros(0)
+    orig = torch.nn.Parameter(torch.zeros(2))
+    param = SimpleNamespace(orig_param=orig, grad="unset", decoupled_grad="unset")
+    gbuf = SimpleNamespace(param_idx={orig: 0}, get_item=lambda item_id, only_shard=True: local)
+    group = SimpleNamespace(main_grad_buffer=gbuf, main_weight_buffer=None, is_expert_param=False)
+    buffer = SimpleNamespace(
+        optimizer_named_parameters=[("w", param)],
+        parameter_groups=[group],
+        param_to_param_group={orig: 0},
+        bucketing_policy=SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params"),
+        use_decoupled_grad=False,
+        dist_main_grad={"w": SimpleNamespace(_local_tensor=None)},
+        dist_index=None,
+    )
+    buffer_cls.update_main_grads(buffer)
+    return param.grad is not None and not isinstance(param.grad, str)
+
+
+def upstream_keeps_empty_shard_state() -> bool:
+    """Behavioural probe: does upstream give a parameter with an empty local Megatron-FSDP shard
+    the optimizer state its peers have, so every rank packs the same ``fsdp_dtensor`` keys?
+
+    1. Load: upstream's ``DistributedOptimizer.sharded_param_state_fsdp_dtensor(is_loading=True)``
+       (its dummy-state init, then its packing; this fix's wrapper peeled off) on a one-rank
+       stand-in optimizer with a parameter of local shard ``[2]`` and one of local shard ``[0]``:
+       the empty one must be packed with the same keys. megatron-core 0.19.2 and upstream main
+       skip it in the dummy init and pack it without state (False).
+    2. Save (only if 1 holds): upstream's ``ParamAndGradBuffer.update_main_grads`` on a stand-in
+       buffer must keep a gradient for an empty shard (0.19.2 sets ``grad = None``).
+
+    A stand-in that upstream's code no longer fits raises (the probe cannot tell).
     """
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
         ParamAndGradBuffer,
@@ -167,13 +245,13 @@ def upstream_keeps_empty_shard_state() -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     packer = upstream_of(DistributedOptimizer.sharded_param_state_fsdp_dtensor)
-    try:
-        grads = inspect.getsource(ParamAndGradBuffer.update_main_grads)
-        packs = inspect.getsource(packer)
-    except (OSError, TypeError):
+    if not _load_packs_same_keys(
+        packer,
+        upstream_of(DistributedOptimizer._init_optimizer_states_with_dummy_values),
+        upstream_of(DistributedOptimizer._param_groups_to_param2group_meta),
+    ):
         return False
-    drops_grad = "numel() == 0" in grads and "grad = None" in grads
-    return not drops_grad or "numel()" in packs
+    return _save_keeps_empty_grad(ParamAndGradBuffer)
 
 
 class EmptyShardsFix(Fix):
@@ -190,28 +268,17 @@ class EmptyShardsFix(Fix):
     )
     package = "megatron-core"
 
-    def upstream_behaves(self) -> bool:
-        return upstream_keeps_empty_shard_state()
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        upstream = DistributedOptimizer.sharded_param_state_fsdp_dtensor
-
-        @wraps_upstream(upstream)
-        def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
-            """Upstream's packing after :func:`fill_empty_shard_states`. On load, upstream's
-            dummy-state init runs first, here and only once, so the placeholders take its step."""
-            if is_loading:
-                self._init_optimizer_states_with_dummy_values()
-            fill_empty_shard_states(self)
-            return upstream(self, is_loading=False)
-
-        patcher.replace(
-            DistributedOptimizer,
-            "sharded_param_state_fsdp_dtensor",
-            sharded_param_state_fsdp_dtensor,
+    patches = (
+        Patch(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+            ".sharded_param_state_fsdp_dtensor",
+            wrap_sharded_param_state_fsdp_dtensor,
             "parameters with an empty local FSDP shard had no optimizer state, so ranks packed "
             "different keys and the per-DTensor collectives of the fsdp_dtensor save/load hung "
             "(empty iter_* directory)",
-        )
+            params=("self", "is_loading"),
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        return upstream_keeps_empty_shard_state()

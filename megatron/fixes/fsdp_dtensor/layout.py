@@ -10,20 +10,24 @@ unfused checkpoint has, and the MTP inner layer as ``mtp_model_layer`` instead o
 :mod:`.sections`, ``input_layernorm.*``, ``transformer_layer``; optimizer state alike), and the
 returned model dict carries (``fsdp_fix``) what :mod:`.legacy_planner` needs to address an older
 on-disk layout. :class:`MlaMtpLayoutFix` runs them after upstream's
-``preprocess_fsdp_dtensor_state_dict``.
+``preprocess_fsdp_dtensor_state_dict``; where upstream calls its own handlers there (upstream main,
+whose split raises ``AttributeError`` without a ``Float16Module``, i.e. in fp32 runs), those pass
+the state dicts through (:func:`defer_upstream_handler`). Its probe,
+:func:`upstream_round_trips_layout`, runs upstream's preprocessing on a stand-in model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
-from megatron.overlay import Fix
-from megatron.fixes.fsdp_dtensor.probes import module_calls, upstream_function
+from megatron.fixes.fsdp_dtensor.probes import quiet_upstream, swapped, upstream_names, upstream_of
 from megatron.fixes.fsdp_dtensor.sections import (
     FUSED,
     KV_SECTION,
@@ -32,6 +36,7 @@ from megatron.fixes.fsdp_dtensor.sections import (
     join_key,
     split_fused,
 )
+from megatron.overlay import Fix, Patch
 from megatron.overlay.registry import Patcher, wraps_upstream
 
 logger = logging.getLogger("megatron.fixes.fsdp_dtensor")
@@ -43,7 +48,10 @@ LAYERNORM_MAP = {"layer_norm_weight": "weight", "layer_norm_bias": "bias"}
 _WRAPPER_NAMES = ("module", "model")
 #: state-dict containers whose keys are parameter names, as paths from the top-level dict
 CONTAINERS = (("model",), ("optimizer", "state"), ("optimizer", "param_to_group_meta"))
+#: upstream's own layout handlers, as ``megatron.training.checkpointing`` imports them (upstream
+#: main, Megatron-LM PR 6271); absent in 0.19.2
 _HANDLERS = ("handle_mla_down_proj_in_state_dict", "handle_mtp_in_state_dict")
+_PREPROCESS = "megatron.training.checkpointing.preprocess_fsdp_dtensor_state_dict"
 
 
 def strip_wrappers(key: str) -> str:
@@ -405,40 +413,189 @@ def prepare_state_dict(state_dict: dict, model: Any, args: Any = None) -> dict:
     return out
 
 
-def _mtp_handler_renames(handler: Any) -> bool:
-    """Upstream's ``handle_mtp_in_state_dict`` moves a one-layer MTP stand-in's keys."""
-    layer = torch.nn.Module()
-    layer.add_module(MTP_LIVE, torch.nn.Module())
-    model = torch.nn.Module()
-    model.add_module("mtp", torch.nn.ModuleList([layer]))
+# --------------------------------------------------------------------------------------------
+# Patches
+# --------------------------------------------------------------------------------------------
+
+
+def wrap_preprocess_fsdp_dtensor_state_dict(upstream):
+    """Factory of the replacement of ``checkpointing.preprocess_fsdp_dtensor_state_dict`` (save
+    and load): upstream's preprocessing, then :func:`prepare_state_dict`."""
+
+    @wraps_upstream(upstream)
+    def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
+        """Upstream's preprocessing (fp8 extra state, SwiGLU, experts, uneven-DTensor
+        metadata), then :func:`prepare_state_dict`."""
+        return prepare_state_dict(upstream(args, raw_state_dict, model), model, args)
+
+    return preprocess_fsdp_dtensor_state_dict
+
+
+def defer_upstream_handler(upstream):
+    """Factory of the replacement of one of upstream's own layout handlers as
+    ``checkpointing`` calls it inside ``preprocess_fsdp_dtensor_state_dict`` (upstream main,
+    Megatron-LM PR 6271): returns ``(model_state_dict, optimizer_state_dict)`` unchanged, since
+    the wrapper of :func:`wrap_preprocess_fsdp_dtensor_state_dict` renders the whole layout after
+    upstream's preprocessing. Upstream's split assumes a ``Float16Module`` under Megatron-FSDP
+    (``model.get_parameter('module.' + key)``) and raises ``AttributeError`` in fp32 runs; it
+    also renames the keys before :mod:`.legacy_planner` could address an older layout."""
+
+    @wraps_upstream(upstream)
+    def handler(model, model_state_dict, optimizer_state_dict):
+        """Upstream's layout handler, deferred to the fix: the state dicts pass unchanged."""
+        return model_state_dict, optimizer_state_dict
+
+    return handler
+
+
+# --------------------------------------------------------------------------------------------
+# Probe: upstream's own preprocessing on a stand-in model
+# --------------------------------------------------------------------------------------------
+
+_PROBE_Q, _PROBE_KV, _PROBE_H = 2, 2, 2  # q_lora_rank, kv_lora_rank + qk_pos_emb_head_dim, hidden
+_PROBE_ATTN = "decoder.layers.0.self_attention"
+
+
+class _ProbeShard:
+    """What a Megatron-FSDP DTensor offers upstream's split: ``shape`` and ``to_local()`` (a
+    single rank owning the whole tensor)."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local = local
+        self.shape = local.shape
+
+    def to_local(self) -> torch.Tensor:
+        return self.local
+
+    def dim(self) -> int:
+        return self.local.dim()
+
+
+class _ProbeDistIndex:
+    """A one-rank Megatron-FSDP dist index without tensor parallelism."""
+
+    tp_dim = None
+
+    def get_submesh(self, *args, **kwargs):
+        return type("Mesh", (), {"mesh": torch.zeros(1), "get_local_rank": lambda self: 0})()
+
+
+def _probe_make_fsdp_dtensor(local_tensor, *args, **kwargs):
+    """Stand-in of ``make_fsdp_dtensor`` for the probe: the local view itself (one rank)."""
+    return local_tensor
+
+
+def _probe_model(float16: bool) -> tuple[torch.nn.Module, dict, dict]:
+    """``(model, model_state_dict, optimizer_state_dict)`` of a one-rank stand-in of
+    ``MegatronFSDP(GPTModel)`` (``float16``: ``MegatronFSDP(Float16Module(GPTModel))``) with one
+    fused MLA down projection (``[q + kv, hidden]`` float32, rows numbered) and its absorbed
+    ``layer_norm_weight``, and one MTP layer (``mtp.layers.0.mtp_model_layer.weight``); state-dict
+    keys as Megatron-FSDP's (``module.<GPT key>``; ``Float16Module`` adds no component)."""
+    gpt = torch.nn.Module()
+    gpt.decoder = torch.nn.Module()
+    gpt.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    attn = torch.nn.Module()
+    gpt.decoder.layers[0].self_attention = attn
+    attn.config = types.SimpleNamespace(
+        q_lora_rank=_PROBE_Q, kv_lora_rank=_PROBE_KV - 1, qk_pos_emb_head_dim=1
+    )
+    fused = torch.nn.Module()
+    rows = torch.arange((_PROBE_Q + _PROBE_KV) * _PROBE_H, dtype=torch.float32)
+    fused.weight = torch.nn.Parameter(rows.view(_PROBE_Q + _PROBE_KV, _PROBE_H))
+    fused.layer_norm_weight = torch.nn.Parameter(torch.ones(_PROBE_H))
+    for p in (fused.weight, fused.layer_norm_weight):
+        p.megatron_fsdp_slice = slice(0, p.numel())
+        p.megatron_fsdp_dist_index = _ProbeDistIndex()
+    attn.linear_qkv_down_proj = fused
+    gpt.mtp = torch.nn.Module()
+    gpt.mtp.layers = torch.nn.ModuleList([torch.nn.Module()])
+    gpt.mtp.layers[0].mtp_layer_pattern = None
+    gpt.mtp.layers[0].mtp_model_layer = torch.nn.Module()
+    gpt.mtp.layers[0].mtp_model_layer.weight = torch.nn.Parameter(torch.full((_PROBE_H,), 5.0))
+    root = torch.nn.Module()
+    if float16:
+        root.module = torch.nn.Module()
+        root.module.module = gpt
+    else:
+        root.module = gpt
+    msd = {f"module.{k}": _ProbeShard(v.detach()) for k, v in gpt.named_parameters()}
+    return root, msd, {"state": {}, "param_to_group_meta": {}}
+
+
+def _round_trips(upstream, float16: bool) -> bool:
+    """Upstream's ``preprocess_fsdp_dtensor_state_dict`` on :func:`_probe_model`: the fused
+    weight becomes ``linear_q_down_proj`` / ``linear_kv_down_proj`` views of its rows (a load
+    writes into the fused parameter), ``layer_norm_weight`` becomes ``input_layernorm.weight`` and
+    the MTP layer ``transformer_layer``; False when it raises or leaves another layout."""
+    root, msd, osd = _probe_model(float16)
+    fused = root.get_submodule(("module.module." if float16 else "module.") + _PROBE_ATTN)
+    weight = fused.linear_qkv_down_proj.weight
+    args = types.SimpleNamespace(swiglu=False, num_experts=None)
     try:
-        out, _ = handler(model, {f"mtp.0.{MTP_LIVE}.w": torch.zeros(1)}, None)
-    except Exception:
+        out = upstream(args, {"model": msd, "optimizer": osd}, root)["model"]
+    except Exception:  # noqa: BLE001 - upstream's path failing on this model is the defect
+        logger.debug("fsdp_dtensor layout probe: upstream raised", exc_info=True)
         return False
-    return set(out) == {f"mtp.0.{MTP_DISK}.w"}
+    q_key = f"module.{_PROBE_ATTN}.{Q_SECTION}.weight"
+    kv_key = f"module.{_PROBE_ATTN}.{KV_SECTION}.weight"
+    want = {
+        q_key,
+        kv_key,
+        "module.decoder.layers.0.input_layernorm.weight",
+        f"module.mtp.layers.0.{MTP_DISK}.weight",
+    }
+    if set(out) != want:
+        return False
+    local = {k: getattr(out[k], "to_local", lambda v=out[k]: v)() for k in (q_key, kv_key)}
+    expect = weight.detach().clone()
+    if not (
+        torch.equal(local[q_key], expect[:_PROBE_Q])
+        and torch.equal(local[kv_key], expect[_PROBE_Q:])
+    ):
+        return False
+    with torch.no_grad():  # a load writes the checkpoint's values into the sections
+        local[q_key].fill_(-1.0)
+        local[kv_key].fill_(-2.0)
+    return bool((weight[:_PROBE_Q] == -1).all() and (weight[_PROBE_Q:] == -2).all())
 
 
-def upstream_handles_layout() -> bool:
-    """Capability probe: megatron-core has its own ``handle_mla_down_proj_in_state_dict`` and
-    ``handle_mtp_in_state_dict`` (``megatron.core.transformer.fsdp_dtensor_checkpoint``), the
-    training checkpoint code calls both, and the MTP one renames ``mtp_model_layer`` keys."""
+def upstream_round_trips_layout() -> bool:
+    """Behavioural probe: does upstream's own ``fsdp_dtensor`` preprocessing
+    (``megatron.training.checkpointing.preprocess_fsdp_dtensor_state_dict``, this fix's wrappers
+    peeled off) put a stand-in model with a fused MLA down projection and an MTP layer into the
+    unfused layout, as views a load writes through, under ``MegatronFSDP(GPTModel)`` (fp32 runs)
+    and ``MegatronFSDP(Float16Module(GPTModel))`` (bf16 / fp16)?
+
+    megatron-core 0.19.2 keeps the fused and ``mtp_model_layer`` keys (False); upstream main
+    (Megatron-LM PR 6271) raises ``AttributeError`` in fp32 runs, its split assuming a
+    ``Float16Module`` (False). One rank, no process group: upstream's ``make_fsdp_dtensor`` is
+    replaced, while the probe runs, by one returning the local view. The optimizer-state split
+    is not exercised (its keys depend on the optimizer's parameter names).
+    """
+    from megatron.training import checkpointing
+
+    upstream = upstream_of(checkpointing.preprocess_fsdp_dtensor_state_dict)
     try:
-        from megatron.training import checkpointing
+        from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
     except ImportError:
-        return False
-    handlers = [
-        upstream_function("megatron.core.transformer.fsdp_dtensor_checkpoint", name)
-        for name in _HANDLERS
-    ]
-    if any(h is None for h in handlers):
-        return False
-    if not all(module_calls(checkpointing, name) for name in _HANDLERS):
-        return False
-    return _mtp_handler_renames(handlers[1])
+        fdc = None
+    stub = (
+        {"make_fsdp_dtensor": _probe_make_fsdp_dtensor}
+        if fdc is not None and hasattr(fdc, "make_fsdp_dtensor")
+        else {}
+    )
+    stubbed = swapped(fdc, **stub) if fdc is not None else contextlib.nullcontext()
+    with upstream_names(checkpointing, *_HANDLERS), stubbed, quiet_upstream():
+        return all(_round_trips(upstream, float16) for float16 in (False, True))
 
 
 class MlaMtpLayoutFix(Fix):
-    """Part of ``fsdp_dtensor``: wraps ``preprocess_fsdp_dtensor_state_dict`` (save and load)."""
+    """Part of ``fsdp_dtensor``: wraps ``preprocess_fsdp_dtensor_state_dict`` (save and load).
+
+    On an upstream whose ``checkpointing`` calls its own layout handlers (upstream main), those
+    are deferred to this fix as well (:attr:`deferred_handlers`, installed only where upstream
+    has them), so the layout is rendered once, by this fix, in every precision.
+    """
 
     name = "fsdp_dtensor.mla_mtp_layout"
     title = (
@@ -448,26 +605,35 @@ class MlaMtpLayoutFix(Fix):
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
 
-    def upstream_behaves(self) -> bool:
-        return upstream_handles_layout()
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.training import checkpointing
-
-        upstream = checkpointing.preprocess_fsdp_dtensor_state_dict
-
-        @wraps_upstream(upstream)
-        def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
-            """Upstream's preprocessing (fp8 extra state, SwiGLU, experts, uneven-DTensor
-            metadata), then :func:`prepare_state_dict`."""
-            return prepare_state_dict(upstream(args, raw_state_dict, model), model, args)
-
-        patcher.replace(
-            checkpointing,
-            "preprocess_fsdp_dtensor_state_dict",
-            preprocess_fsdp_dtensor_state_dict,
+    patches = (
+        Patch(
+            _PREPROCESS,
+            wrap_preprocess_fsdp_dtensor_state_dict,
             "fsdp_dtensor checkpoints saved linear_qkv_down_proj under the fused key and MTP "
             "layers as mtp_model_layer, so they could not round-trip with unfused models; now "
             "saved as linear_q_down_proj / linear_kv_down_proj views (+ input_layernorm) and "
             "transformer_layer, optimizer state included",
+            params=("args", "raw_state_dict", "model"),
+        ),
+    )
+    deferred_handlers = tuple(
+        Patch(
+            f"megatron.training.checkpointing.{name}",
+            defer_upstream_handler,
+            "upstream's own fsdp_dtensor layout handler (Megatron-LM PR 6271) raises in fp32 "
+            "runs (it assumes a Float16Module) and renames keys before an older checkpoint "
+            "layout can be addressed; the fix renders the layout after upstream's preprocessing",
+            params=("model", "model_state_dict", "optimizer_state_dict"),
         )
+        for name in _HANDLERS
+    )
+
+    def upstream_behaves(self) -> bool:
+        return upstream_round_trips_layout()
+
+    def install(self, patcher: Patcher) -> None:
+        """The declared patch, then :attr:`deferred_handlers` where upstream has them."""
+        super().install(patcher)
+        for p in self.deferred_handlers:
+            if p.check() is None:
+                p.install(patcher)

@@ -13,9 +13,11 @@ order; it loads correctly only at the TP size it was written with.
 
 from __future__ import annotations
 
+import tempfile
 from typing import Iterable, Mapping
 
-from megatron.overlay import Fix
+import torch
+
 from megatron.fixes.fsdp_dtensor.layout import (
     MTP_LIVE,
     NEW_LAYOUT,
@@ -28,10 +30,10 @@ from megatron.fixes.fsdp_dtensor.layout import (
     map_key,
     mla_hit,
     strip_wrappers,
-    upstream_handles_layout,
 )
+from megatron.fixes.fsdp_dtensor.probes import is_ours
 from megatron.fixes.fsdp_dtensor.sections import FUSED, KV_SECTION, Q_SECTION, join_key
-from megatron.overlay.registry import Patcher
+from megatron.overlay import Fix, Patch
 
 
 def metadata_keys(metadata) -> Mapping:
@@ -197,6 +199,92 @@ class _PlannerNamespace:
         return getattr(self._module, name)
 
 
+def planner_namespace(_original) -> _PlannerNamespace:
+    """Factory of the replacement of ``checkpointing.default_planner``: a
+    :class:`_PlannerNamespace` over torch's ``default_planner`` whose ``DefaultLoadPlanner``
+    first addresses the checkpoint's layout (:func:`resolve_layout`)."""
+    from torch.distributed.checkpoint import default_planner
+
+    return _PlannerNamespace(default_planner, _make_load_planner_class())
+
+
+# --------------------------------------------------------------------------------------------
+# Probe: upstream's load planner on a checkpoint written in the legacy layout
+# --------------------------------------------------------------------------------------------
+
+_PROBE_ATTN = "module.decoder.layers.0.self_attention"
+_PROBE_MTP = "module.mtp.layers.0"
+
+
+def _upstream_load_planner() -> type:
+    """The ``DefaultLoadPlanner`` that upstream's ``fsdp_dtensor`` load uses
+    (``checkpointing.default_planner``), this fix's namespace peeled off."""
+    from megatron.training import checkpointing
+
+    namespace = checkpointing.default_planner
+    if is_ours(type(namespace)):
+        namespace = namespace._module
+    return namespace.DefaultLoadPlanner
+
+
+def _loads_legacy(planner_cls: type, allow_partial_load: bool) -> bool:
+    """Write a one-rank DCP checkpoint in the legacy layout (fused ``linear_qkv_down_proj.weight``
+    ``[4, 2]`` float32, ``mtp_model_layer.weight`` ``[2]``) into a temporary directory, then load
+    it through ``planner_cls`` into a request in the fixed layout (q / kv views of the live fused
+    weight, ``transformer_layer``); True when the live tensors then hold the checkpoint's
+    values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    legacy_fused = torch.arange(8, dtype=torch.float32).view(4, 2)
+    legacy_mtp = torch.full((2,), 3.0)
+    live_fused = torch.zeros(4, 2)
+    live_mtp = torch.zeros(2)
+    written = {
+        "model": {
+            f"{_PROBE_ATTN}.{FUSED}.weight": legacy_fused,
+            f"{_PROBE_MTP}.{MTP_LIVE}.weight": legacy_mtp,
+        }
+    }
+    request = {
+        "model": {
+            f"{_PROBE_ATTN}.{Q_SECTION}.weight": live_fused[:2],
+            f"{_PROBE_ATTN}.{KV_SECTION}.weight": live_fused[2:],
+            f"{_PROBE_MTP}.transformer_layer.weight": live_mtp,
+        }
+    }
+    with tempfile.TemporaryDirectory(prefix="fsdp_dtensor_probe_") as root:
+        dcp.save(written, checkpoint_id=root, no_dist=True)
+        try:
+            dcp.load(
+                request,
+                checkpoint_id=root,
+                planner=planner_cls(allow_partial_load=allow_partial_load),
+                no_dist=True,
+            )
+        except (Exception, CheckpointException):  # noqa: BLE001 - failing to load: the defect
+            logger.debug("fsdp_dtensor legacy-planner probe: load raised", exc_info=True)
+            return False
+    return torch.equal(live_fused, legacy_fused) and torch.equal(live_mtp, legacy_mtp)
+
+
+def upstream_loads_legacy_layout() -> bool:
+    """Behavioural probe: does upstream's ``fsdp_dtensor`` load planner
+    (``checkpointing.default_planner.DefaultLoadPlanner``, this fix's peeled off) load a
+    checkpoint written in the legacy layout (fused ``linear_qkv_down_proj`` and
+    ``mtp_model_layer`` keys, as megatron-core 0.17-0.19.2 wrote) into a state dict in the fixed
+    layout (what a save writes once fused MLA / MTP are handled), both strictly and with
+    ``allow_partial_load`` (``--no-strict-fsdp-dtensor-load``)?
+
+    megatron-core 0.19.2 and upstream main (Megatron-LM PR 6271) cannot: a strict load raises on
+    the missing unfused keys and a partial one leaves the weights unloaded (False). Independent
+    of the layout part's verdict. One rank, no process group; writes a few bytes to a temporary
+    directory, removed before it returns.
+    """
+    planner_cls = _upstream_load_planner()
+    return all(_loads_legacy(planner_cls, partial) for partial in (False, True))
+
+
 class LegacyPlannerFix(Fix):
     """Part of ``fsdp_dtensor``: replaces ``checkpointing.default_planner``."""
 
@@ -208,21 +296,15 @@ class LegacyPlannerFix(Fix):
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
 
-    def upstream_behaves(self) -> bool:
-        """True when upstream writes the fixed layout itself: this part only re-addresses
-        requests that :class:`.layout.MlaMtpLayoutFix` prepared, and upstream then owns the
-        compatibility of older checkpoints."""
-        return upstream_handles_layout()
-
-    def install(self, patcher: Patcher) -> None:
-        from megatron.training import checkpointing
-        from torch.distributed.checkpoint import default_planner
-
-        patcher.replace(
-            checkpointing,
-            "default_planner",
-            _PlannerNamespace(default_planner, _make_load_planner_class()),
+    patches = (
+        Patch(
+            "megatron.training.checkpointing.default_planner",
+            planner_namespace,
             "with the layout fix, fsdp_dtensor checkpoints written by the unfixed 0.17-0.19.2 "
             "code (fused linear_qkv_down_proj / mtp_model_layer keys) would no longer load; the "
             "load planner now requests the layout the checkpoint's metadata shows",
-        )
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        return upstream_loads_legacy_layout()

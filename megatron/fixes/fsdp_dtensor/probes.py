@@ -1,12 +1,14 @@
-"""Capability probes of the ``fsdp_dtensor`` parts: what the installed upstream has and calls,
-seen through this overlay's own wrappers (which keep ``__wrapped__``)."""
+"""Helpers of the ``fsdp_dtensor`` parts' behavioural probes: upstream's objects seen through this
+overlay's own wrappers (which keep ``__wrapped__``), and temporary attribute swaps that a probe
+undoes before it returns."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from types import CodeType, ModuleType
-from typing import Any
+import contextlib
+import logging
+from typing import Any, Iterator
+
+_MISSING = object()
 
 
 def is_ours(obj: Any) -> bool:
@@ -21,33 +23,41 @@ def upstream_of(fn: Any) -> Any:
     return fn
 
 
-def upstream_function(module: str, name: str) -> Any:
-    """Upstream's ``module.name`` if the installed release defines it (not this overlay), else
-    None."""
+@contextlib.contextmanager
+def swapped(owner: Any, **values: Any) -> Iterator[None]:
+    """Set ``owner.<name> = value`` for each item while the block runs; afterwards every attribute
+    is back as it was (deleted again where ``owner`` had none), also when the block raises."""
+    saved = {name: getattr(owner, name, _MISSING) for name in values}
     try:
-        value = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    return None if value is None or is_ours(value) else value
+        for name, value in values.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, old)
 
 
-def _names(code: CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, CodeType):
-            names |= _names(const)
-    return names
+@contextlib.contextmanager
+def upstream_names(module: Any, *names: str) -> Iterator[None]:
+    """While the block runs, the globals ``names`` of ``module`` that this overlay replaced hold
+    upstream's objects again (a probe of upstream's code path must not run through our fix)."""
+    ours = {
+        name: upstream_of(getattr(module, name))
+        for name in names
+        if is_ours(getattr(module, name, None)) and hasattr(getattr(module, name), "__wrapped__")
+    }
+    with swapped(module, **ours):
+        yield
 
 
-def module_calls(module: ModuleType, name: str) -> bool:
-    """True if a function defined in ``module`` (upstream's, under any wrapper of ours) refers to
-    the global ``name``, i.e. upstream's own code path uses it."""
-    for value in list(vars(module).values()):
-        fn = upstream_of(value)
-        if (
-            inspect.isfunction(fn)
-            and fn.__module__ == module.__name__
-            and name in _names(fn.__code__)
-        ):
-            return True
-    return False
+#: upstream's logger of the fsdp_dtensor checkpoint helpers (its INFO lines are not a probe's)
+UPSTREAM_LOGGER = "megatron.core.transformer.fsdp_dtensor_checkpoint"
+
+
+def quiet_upstream() -> contextlib.AbstractContextManager:
+    """While the block runs, upstream's ``fsdp_dtensor`` checkpoint logger is disabled."""
+    return swapped(logging.getLogger(UPSTREAM_LOGGER), disabled=True)

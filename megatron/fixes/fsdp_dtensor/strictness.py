@@ -15,12 +15,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Mapping
 
-from megatron.overlay import Fix
+import torch
+
 from megatron.fixes.fsdp_dtensor.layout import logger
 from megatron.fixes.fsdp_dtensor.legacy_planner import metadata_keys, resolve_layout
-from megatron.fixes.fsdp_dtensor.probes import module_calls, upstream_function
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.fixes.fsdp_dtensor.probes import quiet_upstream, swapped, upstream_of
+from megatron.overlay import Fix, Patch
 from megatron.overlay.collective import RankFailures, agree_on_failures
+from megatron.overlay.registry import Patcher, wraps_upstream
 
 STRICTNESS_MODES = (
     "assume_ok_unexpected",
@@ -179,30 +181,96 @@ def validate_fsdp_dtensor_model_load(
     )
 
 
-def upstream_validates_partial_loads() -> bool:
-    """Capability probe: megatron-core has its own ``validate_fsdp_dtensor_model_load``, the
-    training checkpoint code calls it, and under the default strictness it raises for a model
-    weight the checkpoint lacks."""
-    validate = upstream_function("megatron.core.transformer.fsdp_dtensor_checkpoint", _VALIDATE)
-    if validate is None:
-        return False
-    try:
-        import torch
-        from megatron.core.dist_checkpointing.core import CheckpointingException
-        from megatron.training import checkpointing
-    except ImportError:
-        return False
-    if not module_calls(checkpointing, _VALIDATE):
-        return False
-    try:
-        validate(
-            {}, {"model": {"w": torch.zeros(1)}}, "capability-probe", strict="assume_ok_unexpected"
+class _PeerConsulted(Exception):
+    """Raised by the probe's stand-in collectives: the function asked the other ranks."""
+
+
+def _raise_consulted(*args, **kwargs):
+    raise _PeerConsulted()
+
+
+#: ``torch.distributed`` collectives a cross-rank agreement could use (the probe's stand-ins)
+_COLLECTIVES = (
+    "all_gather_object",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "reduce",
+    "barrier",
+    "monitored_barrier",
+)
+
+
+def _upstream_checks() -> list:
+    """Upstream's checks of a partial ``fsdp_dtensor`` load as ``checkpointing`` calls them, in
+    order, as ``check(metadata, state_dict)``: ``print_diff_in_state_dicts``, then
+    ``validate_fsdp_dtensor_model_load`` where upstream has it (this fix's wrappers peeled
+    off)."""
+    from megatron.training import checkpointing
+
+    checks = []
+    diff = upstream_of(getattr(checkpointing, "print_diff_in_state_dicts", None))
+    if diff is not None:
+        checks.append(diff)
+    validate = upstream_of(getattr(checkpointing, _VALIDATE, None))
+    if validate is not None:
+        checks.append(
+            lambda md, sd: validate(md, sd, "strictness-probe", strict="assume_ok_unexpected")
         )
-    except CheckpointingException:
-        return True
-    except Exception:
-        return False
-    return False
+    return checks
+
+
+def _run_checks(checks, metadata, state_dict) -> Exception | None:
+    """The exception the checks raise (None if none does); a ``TypeError`` (the checks' calling
+    convention changed) propagates."""
+    try:
+        for check in checks:
+            check(metadata, state_dict)
+    except TypeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - what upstream raises is what the probe observes
+        return exc
+    return None
+
+
+def upstream_validates_partial_loads() -> bool:
+    """Behavioural probe: does upstream's partial ``fsdp_dtensor`` load (its checks run before
+    DCP's ``allow_partial_load=True`` load, :func:`_upstream_checks`) stop a load that would
+    keep a model weight at its initial value, on every rank together?
+
+    1. Under the default ``--dist-ckpt-strictness`` a request for ``model.module.w`` from a
+       checkpoint without it must raise. megatron-core 0.19.2 only logs the difference (False).
+    2. In a stand-in world of two ranks (``torch.distributed`` collectives replaced, while the
+       probe runs, by functions that record being called), a rank whose own request is complete
+       must ask the other ranks before going on: a peer may be the one that raises, and this rank
+       would then enter the load's collectives alone. Upstream main (Megatron-LM PR 6271) raises
+       only on the ranks with missing keys (False).
+
+    Raises:
+        TypeError: upstream's checks take other arguments (the probe cannot tell).
+    """
+    checks = _upstream_checks()
+    request = {"model": {"module.w": torch.zeros(1)}}
+    with quiet_upstream():
+        if _run_checks(checks, {}, request) is None:
+            return False
+    import torch.distributed as dist
+
+    world = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "get_world_size": lambda group=None: 2,
+        "get_rank": lambda group=None: 0,
+        "get_global_rank": lambda group, rank: rank,
+        **{name: _raise_consulted for name in _COLLECTIVES if hasattr(dist, name)},
+    }
+    with swapped(dist, **world), quiet_upstream():
+        raised = _run_checks(checks, {"model.module.w": object()}, request)
+    return isinstance(raised, _PeerConsulted)
 
 
 def _load_args(load_state_dict: Mapping) -> Any:
@@ -214,8 +282,49 @@ def _load_args(load_state_dict: Mapping) -> Any:
         from megatron.training.global_vars import get_args
 
         return get_args()
-    except Exception:
+    except Exception:  # noqa: BLE001 - no megatron args outside a run
         return None
+
+
+def wrap_print_diff_in_state_dicts(upstream):
+    """Factory of the replacement of ``checkpointing.print_diff_in_state_dicts`` (called only in
+    the partial-load branch of ``_load_base_checkpoint``): the request in the checkpoint's layout
+    (:func:`resolve_layout`), upstream's key-difference log, then
+    :func:`validate_fsdp_dtensor_model_load` under ``--dist-ckpt-strictness``; the keys it
+    reports are kept in :data:`FIX_STATE` (``StrictnessFix.last_unexpected_keys``)."""
+
+    @wraps_upstream(upstream)
+    def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwargs):
+        """Upstream's key-difference log of the request in the checkpoint's layout, then
+        :func:`validate_fsdp_dtensor_model_load` under ``--dist-ckpt-strictness``."""
+        resolve_layout(load_state_dict, state_dict_metadata)
+        upstream(state_dict_metadata, load_state_dict, *args, **kwargs)
+        margs = _load_args(load_state_dict)
+        FIX_STATE.last_unexpected_keys = frozenset(
+            validate_fsdp_dtensor_model_load(
+                state_dict_metadata,
+                load_state_dict,
+                strict=getattr(margs, "dist_ckpt_strictness", None) or "assume_ok_unexpected",
+                finetune=bool(getattr(margs, "finetune", False)),
+            )
+        )
+
+    return print_diff_in_state_dicts
+
+
+class _FixState:
+    """What the replacement of ``print_diff_in_state_dicts`` reports back (module-level, as the
+    replacement is built by a module-level factory).
+
+    Attributes:
+        last_unexpected_keys: the keys the last partial load reported (``return_*``/``log_*``
+            modes; upstream discards what the wrapped function returns).
+    """
+
+    last_unexpected_keys: frozenset = frozenset()
+
+
+FIX_STATE = _FixState()
 
 
 class StrictnessFix(Fix):
@@ -234,42 +343,33 @@ class StrictnessFix(Fix):
     upstream_refs = ("Megatron-LM PR 6271",)
     package = "megatron-core"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.last_unexpected_keys: frozenset = frozenset()
+    patches = (
+        Patch(
+            "megatron.training.checkpointing.print_diff_in_state_dicts",
+            wrap_print_diff_in_state_dicts,
+            "a partial load (--no-strict-fsdp-dtensor-load) silently kept model weights missing "
+            "from the checkpoint at their initial values; it now raises on every rank by default "
+            "and honours --dist-ckpt-strictness",
+            params=("state_dict_metadata", "load_state_dict"),
+        ),
+    )
+
+    @property
+    def last_unexpected_keys(self) -> frozenset:
+        return FIX_STATE.last_unexpected_keys
+
+    @last_unexpected_keys.setter
+    def last_unexpected_keys(self, keys) -> None:
+        FIX_STATE.last_unexpected_keys = frozenset(keys)
 
     def upstream_behaves(self) -> bool:
         return upstream_validates_partial_loads()
 
     def install(self, patcher: Patcher) -> None:
+        """The declared patch, where upstream has the function (an upstream without
+        Megatron-FSDP has no ``fsdp_dtensor`` loads at all)."""
         from megatron.training import checkpointing
 
-        upstream = getattr(checkpointing, "print_diff_in_state_dicts", None)
-        if upstream is None:  # upstream without Megatron-FSDP: no fsdp_dtensor loads at all
+        if getattr(checkpointing, "print_diff_in_state_dicts", None) is None:
             return
-        fix = self
-
-        @wraps_upstream(upstream)
-        def print_diff_in_state_dicts(state_dict_metadata, load_state_dict, *args, **kwargs):
-            """Upstream's key-difference log of the request in the checkpoint's layout, then
-            :func:`validate_fsdp_dtensor_model_load` under ``--dist-ckpt-strictness``."""
-            resolve_layout(load_state_dict, state_dict_metadata)
-            upstream(state_dict_metadata, load_state_dict, *args, **kwargs)
-            margs = _load_args(load_state_dict)
-            fix.last_unexpected_keys = frozenset(
-                validate_fsdp_dtensor_model_load(
-                    state_dict_metadata,
-                    load_state_dict,
-                    strict=getattr(margs, "dist_ckpt_strictness", None) or "assume_ok_unexpected",
-                    finetune=bool(getattr(margs, "finetune", False)),
-                )
-            )
-
-        patcher.replace(
-            checkpointing,
-            "print_diff_in_state_dicts",
-            print_diff_in_state_dicts,
-            "a partial load (--no-strict-fsdp-dtensor-load) silently kept model weights missing "
-            "from the checkpoint at their initial values; it now raises on every rank by default "
-            "and honours --dist-ckpt-strictness",
-        )
+        super().install(patcher)

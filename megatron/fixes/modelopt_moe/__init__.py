@@ -11,14 +11,14 @@ stands aside on its own when upstream behaves for it):
 * :mod:`megatron.fixes.modelopt_state`: ModelOpt state in persistent and local checkpoints (a
   megatron-core defect; a part here so that the CLI keeps listing ten fixes).
 
-User helpers (summary, restore): :mod:`megatron.training_ext.modelopt`. Design notes and limits:
+Quantizer inspection: :mod:`megatron.fixes.modelopt_tensors`; user helpers (summary, restore):
+:mod:`megatron.training_ext.modelopt`. Design notes and limits:
 ``docs/fixes/modelopt_moe.md``.
 """
 
 from __future__ import annotations
 
 from megatron.fixes import modelopt_state
-from megatron.overlay import FixGroup
 from megatron.fixes.modelopt_moe import expert_sharding, extra_state_cuda_sync, legacy_layout
 from megatron.fixes.modelopt_moe.expert_sharding import (
     ExpertCoords,
@@ -31,6 +31,7 @@ from megatron.fixes.modelopt_moe.legacy_layout import (
     QuantizerLayoutError,
     plan_quantizer_layout,
 )
+from megatron.overlay import FixGroup
 
 __all__ = [
     "FIX",

@@ -24,13 +24,15 @@ from typing import Any, Callable
 
 import torch
 
-from megatron.overlay import Fix
 from megatron.fixes.modelopt_moe._probe_group import some_process_group
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay import Fix, Patch, wraps_upstream
 
 logger = logging.getLogger(__name__)
 
 _PLUGIN = "modelopt.torch.quantization.plugins.megatron"
+_LINEAR_SSD = f"{_PLUGIN}._MegatronParallelLinear.sharded_state_dict"
+#: Defined by the plugin only when Transformer Engine is installed.
+_GROUPED_SSD = f"{_PLUGIN}._QuantMegatronTEGroupedLinear.sharded_state_dict"
 
 # Local (module) names of quantizer buffers: ``weight_quantizer._amax``,
 # ``weight_quantizer.3._amax``, ``input_quantizer._pre_quant_scale`` ...
@@ -233,6 +235,9 @@ def _split_axes(module, sharded_state_dict: dict, prefix: str, grouped: bool) ->
 
 
 def _wrap_linear_sharded_state_dict(original: Callable) -> Callable:
+    """Factory of the replacement of ModelOpt's ``_MegatronParallelLinear.sharded_state_dict``
+    (``original``): expert linears' quantizer entries regrouped over the expert groups."""
+
     @wraps_upstream(original)
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """ModelOpt's linear ``sharded_state_dict``; an expert linear's quantizer tensors are
@@ -247,6 +252,9 @@ def _wrap_linear_sharded_state_dict(original: Callable) -> Callable:
 
 
 def _wrap_grouped_sharded_state_dict(original: Callable) -> Callable:
+    """Factory of the replacement of ModelOpt's ``_QuantMegatronTEGroupedLinear.sharded_state_dict``
+    (``original``): per-expert and shared quantizer entries regrouped over the expert groups."""
+
     @wraps_upstream(original)
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """ModelOpt's TE grouped linear ``sharded_state_dict``; per-expert and shared quantizer
@@ -338,10 +346,31 @@ class ExpertQuantizerShardingFix(Fix):
     title = "Quantizer tensors of MoE expert linears sharded over the expert groups"
     upstream_refs = ("ModelOpt issue 2209",)
     package = "nvidia-modelopt"
+    patches = (
+        Patch(
+            _LINEAR_SSD,
+            _wrap_linear_sharded_state_dict,
+            "quantizer tensors of expert linears (sequential experts) were sharded over the "
+            "dense TP/DP groups instead of ETP/EDP, so sharding validation failed for "
+            "ETP > TP, for TP > ETP with EP > 1, and for channel-split amax with TP != ETP",
+            params=("prefix", "sharded_offsets", "metadata"),
+        ),
+        Patch(
+            _GROUPED_SSD,
+            _wrap_grouped_sharded_state_dict,
+            "TE grouped experts' per-expert weight_quantizer.{i} and shared "
+            "input_quantizer tensors got dense-TP replica ids and offsets, so sharding "
+            "validation failed as for sequential experts",
+            params=("prefix", "sharded_offsets", "metadata"),
+            optional=True,  # ModelOpt defines the class only with Transformer Engine
+        ),
+    )
 
-    def upstream_behaves(self) -> bool:
-        """Upstream behaves if an expert linear's quantizer tensor on ETP rank 1 (dense TP rank 0)
-        gets replica id ``(0, 1, 0)`` (:func:`probe_upstream_expert_replica_ids`)."""
+    def upstream_behaves(self) -> bool | None:
+        """True if an expert linear's quantizer tensor on ETP rank 1 (dense TP rank 0) gets
+        replica id ``(0, 1, 0)`` from upstream's own method, False if it gets a dense-TP one (or
+        the plugin does not import), None if the probe cannot run
+        (:func:`probe_upstream_expert_replica_ids`)."""
         try:
             plugin = __import__(_PLUGIN, fromlist=["_MegatronParallelLinear"])
         except ImportError:
@@ -352,29 +381,9 @@ class ExpertQuantizerShardingFix(Fix):
         logger.info(
             "expert sharding probe: expert quantizer replica_id on ETP rank 1 = %s", replica_id
         )
-        return replica_id is not None and len(replica_id) == 3 and replica_id[1] == 1
-
-    def install(self, patcher: Patcher) -> None:
-        plugin = __import__(_PLUGIN, fromlist=["_MegatronParallelLinear"])
-        linear = plugin._MegatronParallelLinear
-        patcher.replace(
-            linear,
-            "sharded_state_dict",
-            _wrap_linear_sharded_state_dict(vars(linear)["sharded_state_dict"]),
-            why="quantizer tensors of expert linears (sequential experts) were sharded over the "
-            "dense TP/DP groups instead of ETP/EDP, so sharding validation failed for "
-            "ETP > TP, for TP > ETP with EP > 1, and for channel-split amax with TP != ETP",
-        )
-        grouped = getattr(plugin, "_QuantMegatronTEGroupedLinear", None)  # with TE only
-        if grouped is not None:
-            patcher.replace(
-                grouped,
-                "sharded_state_dict",
-                _wrap_grouped_sharded_state_dict(vars(grouped)["sharded_state_dict"]),
-                why="TE grouped experts' per-expert weight_quantizer.{i} and shared "
-                "input_quantizer tensors got dense-TP replica ids and offsets, so sharding "
-                "validation failed as for sequential experts",
-            )
+        if replica_id is None:
+            return None
+        return len(replica_id) == 3 and replica_id[1] == 1
 
 
 FIX = ExpertQuantizerShardingFix()

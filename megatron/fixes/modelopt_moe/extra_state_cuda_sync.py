@@ -15,11 +15,12 @@ import inspect
 import logging
 import types
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
-from megatron.overlay import Fix
-from megatron.overlay.registry import Patcher, wraps_upstream
+from megatron.overlay import Fix, Patch
+from megatron.overlay.registry import wraps_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +32,11 @@ class _NoCudaError(Exception):
 
 
 class _CudaWithoutSync:
-    """``torch.cuda`` as seen by one upstream function: ``synchronize`` is a no-op (or raises, for
-    the probe), ``is_available`` may be forced to ``False``."""
-
-    def __init__(self, sync_raises: bool = False) -> None:
-        self._sync_raises = sync_raises
+    """``torch.cuda`` as seen by the CPU variant of the upstream function: ``synchronize`` is a
+    no-op; everything else is ``torch.cuda``'s."""
 
     def synchronize(self, *args, **kwargs) -> None:
-        if self._sync_raises:
-            raise _NoCudaError("torch.cuda.synchronize() called on a machine without CUDA")
-
-    def is_available(self) -> bool:
-        return False if self._sync_raises else torch.cuda.is_available()
+        return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -51,8 +45,8 @@ class _CudaWithoutSync:
 class _TorchWithoutCudaSync:
     """``torch`` as seen by one upstream function, with :class:`_CudaWithoutSync` as ``cuda``."""
 
-    def __init__(self, sync_raises: bool = False) -> None:
-        self.cuda = _CudaWithoutSync(sync_raises)
+    def __init__(self) -> None:
+        self.cuda = _CudaWithoutSync()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -70,6 +64,8 @@ def _with_torch(fn: Callable, torch_proxy: Any) -> Callable:
 
 
 def _wrap_get_extra_state(original: Callable) -> Callable:
+    """Factory of the replacement of ModelOpt's ``_modelopt_get_extra_state`` (``original``):
+    upstream's code, with ``torch.cuda.synchronize()`` a no-op when CUDA is not available."""
     cpu_variant = _with_torch(original, _TorchWithoutCudaSync())
 
     @wraps_upstream(original)
@@ -83,19 +79,29 @@ def _wrap_get_extra_state(original: Callable) -> Callable:
     return get_extra_state
 
 
+def _sync_without_cuda(*args, **kwargs) -> None:
+    raise _NoCudaError("torch.cuda.synchronize() called on a machine without CUDA")
+
+
 def probe_upstream_syncs_without_cuda(get_extra_state: Callable) -> bool | None:
-    """Run upstream's code for a module with one extra-state callback, as on a machine without
-    CUDA (``torch.cuda.is_available()`` False, ``torch.cuda.synchronize()`` raising).
+    """Call ``get_extra_state`` (upstream's, or anything that calls it) for a stand-in module with
+    one extra-state callback, as on a machine without CUDA: for the call,
+    ``torch.cuda.is_available()`` returns False and ``torch.cuda.synchronize()`` raises (both put
+    back afterwards, also on error).
 
     Returns:
         True if it calls ``torch.cuda.synchronize()`` (nvidia-modelopt 0.47.0), False if it
-        serialises the state without it, None if the probe cannot run.
+        serialises the state (a uint8 tensor) without it, None if the probe cannot run.
     """
     module = types.SimpleNamespace(
         modelopt_get_extra_state_callbacks=[lambda m: {"probe": {"num_bits": 8}}]
     )
     try:
-        state = _with_torch(get_extra_state, _TorchWithoutCudaSync(sync_raises=True))(module)
+        with (
+            mock.patch.object(torch.cuda, "is_available", lambda: False),
+            mock.patch.object(torch.cuda, "synchronize", _sync_without_cuda),
+        ):
+            state = get_extra_state(module)
     except _NoCudaError:
         return True
     except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
@@ -113,26 +119,27 @@ class ExtraStateCudaSyncFix(Fix):
         "nvidia-modelopt _modelopt_get_extra_state: unconditional torch.cuda.synchronize()",
     )
     package = "nvidia-modelopt"
+    patches = (
+        Patch(
+            f"{_OPT_PLUGIN}._modelopt_get_extra_state",
+            _wrap_get_extra_state,
+            "it called torch.cuda.synchronize() unconditionally, so state_dict() of any "
+            "quantized module failed on a machine without CUDA",
+        ),
+    )
 
-    def upstream_behaves(self) -> bool:
-        """Upstream behaves if its ``_modelopt_get_extra_state`` serialises the state without
-        calling ``torch.cuda.synchronize()`` when CUDA is absent."""
+    def upstream_behaves(self) -> bool | None:
+        """True if upstream's own ``_modelopt_get_extra_state`` serialises the state without
+        calling ``torch.cuda.synchronize()`` when CUDA is absent, False if it calls it (or its
+        module does not import), None if the probe cannot run
+        (:func:`probe_upstream_syncs_without_cuda`)."""
         try:
             opt_plugin = __import__(_OPT_PLUGIN, fromlist=["_modelopt_get_extra_state"])
         except ImportError:
             return False
         fn = inspect.unwrap(opt_plugin._modelopt_get_extra_state)  # upstream's own
-        return probe_upstream_syncs_without_cuda(fn) is False
-
-    def install(self, patcher: Patcher) -> None:
-        opt_plugin = __import__(_OPT_PLUGIN, fromlist=["_modelopt_get_extra_state"])
-        patcher.replace(
-            opt_plugin,
-            "_modelopt_get_extra_state",
-            _wrap_get_extra_state(opt_plugin._modelopt_get_extra_state),
-            why="it called torch.cuda.synchronize() unconditionally, so state_dict() of any "
-            "quantized module failed on a machine without CUDA",
-        )
+        syncs = probe_upstream_syncs_without_cuda(fn)
+        return None if syncs is None else not syncs
 
 
 FIX = ExtraStateCudaSyncFix()

@@ -25,12 +25,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron.overlay import Fix
 from megatron.fixes.modelopt_moe._probe_group import private_process_group
-from megatron.overlay.registry import Patcher, wraps_upstream
-from megatron.overlay import collective
+from megatron.fixes.modelopt_tensors import checkpoint_tensors
+from megatron.overlay import Fix, Patch, alias_of, collective
 from megatron.overlay.collective import RankFailures
-from megatron.training_ext.modelopt import checkpoint_tensors
+from megatron.overlay.registry import wraps_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +139,7 @@ def plan_quantizer_layout(
     Args:
         sharded_state_dict: the (nested) sharded state dict passed to ``dist_checkpointing.load``.
         ckpt: key -> (global shape, dtype) of the checkpoint's tensors
-            (:func:`megatron.training_ext.modelopt.checkpoint_tensors`).
+            (:func:`megatron.fixes.modelopt_tensors.checkpoint_tensors`).
         checkpoint_dir: for messages only.
 
     Returns:
@@ -254,6 +253,9 @@ def _agree(plan: LayoutPlan, process_group: Any, checkpoint_dir: Any) -> dict[st
 
 
 def _wrap_load(original: Callable) -> Callable:
+    """Factory of the replacement of ``megatron.core.dist_checkpointing.serialization.load``:
+    upstream's ``original``, after the quantizer layout of the checkpoint is mapped onto the
+    request (:func:`plan_quantizer_layout`)."""
     signature = inspect.signature(original)
 
     @wraps_upstream(original)
@@ -355,6 +357,12 @@ def _load_with_remaps(
 
 
 _PROBE_PREFIX = "probe.mlp.experts.experts."
+_LOAD = "megatron.core.dist_checkpointing.serialization.load"
+_PACKAGE_LOAD = "megatron.core.dist_checkpointing.load"
+_WHY = (
+    "checkpoints from before per-expert weight quantizers could not be loaded into "
+    "per-expert models, and unmappable quantizer layouts failed rank-locally"
+)
 
 
 def probe_upstream_maps_legacy_layout(load: Callable) -> bool | None:
@@ -393,7 +401,7 @@ def probe_upstream_maps_legacy_layout(load: Callable) -> bool | None:
             want = ShardedTensor.from_rank_offsets(per_expert, torch.zeros(1), replica_id=0)
             try:
                 got = load({"amax": want}, d)["amax"]
-            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one
+            except BaseException as e:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 return False
@@ -414,30 +422,23 @@ class LegacyQuantizerLayoutFix(Fix):
         "megatron-core dist_checkpointing.load resolves requests by exact key",
     )
     package = "megatron-core"
+    patches = (
+        Patch(_LOAD, _wrap_load, _WHY, params=("sharded_state_dict", "checkpoint_dir")),
+        # the package's re-export, while it is one (``from megatron.core.dist_checkpointing
+        # import load``)
+        Patch(_PACKAGE_LOAD, alias_of(_LOAD, only_if_same=True), _WHY),
+    )
 
-    def upstream_behaves(self) -> bool:
-        """Upstream behaves if its ``load`` fills a per-expert request from a shared-layout
-        checkpoint (:func:`probe_upstream_maps_legacy_layout`); not provable inside a job."""
+    def upstream_behaves(self) -> bool | None:
+        """True if upstream's own ``load`` fills a per-expert request from a shared-layout
+        checkpoint, False if it does not (:func:`probe_upstream_maps_legacy_layout`), None when
+        the probe cannot run (inside a job, where ``torch.distributed`` is initialised)."""
         import megatron.core.dist_checkpointing.serialization as serialization
 
         fn = inspect.unwrap(serialization.load)  # upstream's own, without overlay wrappers
         maps = probe_upstream_maps_legacy_layout(fn)
         logger.info("legacy layout probe: upstream maps the shared layout = %s", maps)
-        return maps is True
-
-    def install(self, patcher: Patcher) -> None:
-        import megatron.core.dist_checkpointing as dist_ckpt
-        import megatron.core.dist_checkpointing.serialization as serialization
-
-        original = serialization.load
-        wrapped = _wrap_load(original)
-        why = (
-            "checkpoints from before per-expert weight quantizers could not be loaded into "
-            "per-expert models, and unmappable quantizer layouts failed rank-locally"
-        )
-        patcher.replace(serialization, "load", wrapped, why=why)
-        if getattr(dist_ckpt, "load", None) is original:  # the package's re-export
-            patcher.replace(dist_ckpt, "load", wrapped, why=why)
+        return maps
 
 
 FIX = LegacyQuantizerLayoutFix()

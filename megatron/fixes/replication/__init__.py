@@ -16,8 +16,6 @@ Modules: ``convert``, ``plan``, ``transport`` (:class:`ReplicaExchange`; ``_broa
 
 from __future__ import annotations
 
-from megatron.overlay import Fix
-from megatron.overlay.registry import Patcher
 from megatron.fixes.replication import probe
 from megatron.fixes.replication.convert import (
     UnsupportedTensorError,
@@ -39,12 +37,12 @@ from megatron.fixes.replication.retrieve import fixed_retrieve_execute
 from megatron.fixes.replication.strategy import (
     _UPSTREAM_REPLICATE,
     FixedCliqueReplicationStrategy,
-    _strategies,
     _UpstreamClique,
 )
 from megatron.fixes.replication.transport import ReplicaExchange, checksum_algorithm
 from megatron.integrity.checksums import ChecksumMismatchError
 from megatron.integrity.tensors import is_quantized
+from megatron.overlay import Fix, Patch, value
 
 __all__ = [
     "ChecksumMismatchError",
@@ -68,8 +66,13 @@ __all__ = [
 ]
 
 
+_STRATEGIES = "nvidia_resiliency_ext.checkpointing.local.replication.strategies"
+_CLIQUE = f"{_STRATEGIES}.CliqueReplicationStrategy"
+
+
 class ReplicationFix(Fix):
-    """Installs :class:`FixedCliqueReplicationStrategy` in place of NVRx's class and its methods."""
+    """Installs :class:`FixedCliqueReplicationStrategy` in place of NVRx's class and its methods
+    (the methods first: they are patched on upstream's class, reached by its NVRx name)."""
 
     name = "replication"
     title = (
@@ -77,38 +80,34 @@ class ReplicationFix(Fix):
     )
     upstream_refs = ("NVRx issue 349", "Megatron-LM issue 5281")
     package = "nvidia-resiliency-ext"
-
-    def upstream_behaves(self) -> bool:
-        """True if the installed upstream ``replicate`` already hands the transport dequantized,
-        dense tensors (:mod:`.probe`)."""
-        return probe.upstream_handles_unfaithful_tensors(_UpstreamClique, _UPSTREAM_REPLICATE)
-
-    def install(self, patcher: Patcher) -> None:
-        """Point the upstream class's methods and the NVRx name at the fixed implementation."""
-        if _strategies is None:  # pragma: no cover - apply() reports NOT_APPLICABLE first
-            raise RuntimeError("nvidia_resiliency_ext is not importable")
-        patcher.replace(
-            _UpstreamClique,
-            "replicate",
-            fixed_replicate,
+    patches = (
+        Patch(
+            f"{_CLIQUE}.replicate",
+            value(fixed_replicate),
             "a strategy built from the class bound before apply() stops writing NaN replicas of "
             "Transformer Engine quantized weights and wrong replicas of non-dense views",
-        )
-        patcher.replace(
-            _UpstreamClique,
-            "retrieve_execute",
-            fixed_retrieve_execute,
+            params=("local_ckpt", "id_"),
+        ),
+        Patch(
+            f"{_CLIQUE}.retrieve_execute",
+            value(fixed_retrieve_execute),
             "peer recovery verifies checksums and runs over gloo/CPU as well as NCCL (upstream "
             "hardcodes .cuda() in GroupWrapper.isend_state_dict / irecv_state_dict)",
-        )
-        patcher.replace(
-            _strategies,
-            "CliqueReplicationStrategy",
-            FixedCliqueReplicationStrategy,
+        ),
+        Patch(
+            _CLIQUE,
+            value(FixedCliqueReplicationStrategy),
             "pretrain() and from_replication_params (cls(...)) build the fixed subclass, whose "
             "replicas are dequantized, dense and checksum-verified instead of NaN for quantized "
             "weights",
-        )
+        ),
+    )
+
+    def upstream_behaves(self) -> bool:
+        """True if upstream's own ``replicate`` (captured at import, before any patch) already
+        hands the transport dequantized, dense tensors; False if it hands over the quantized or
+        non-dense tensors themselves, or fails on them (:mod:`.probe`)."""
+        return probe.upstream_handles_unfaithful_tensors(_UpstreamClique, _UPSTREAM_REPLICATE)
 
 
 FIX = ReplicationFix()

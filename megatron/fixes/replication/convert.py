@@ -17,8 +17,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from megatron.integrity import checksums as ck
-from megatron.overlay.collective import RankFailures
 from megatron.integrity.tensors import is_quantized
+from megatron.overlay.collective import RankFailures
 
 
 class UnsupportedTensorError(ValueError, RankFailures):

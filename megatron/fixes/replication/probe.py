@@ -27,7 +27,7 @@ class _ProbeQuantized(torch.Tensor):
         self._payload, self._scale = payload, scale
         return self
 
-    def dequantize(self, *args, **kwargs):  # noqa: D401
+    def dequantize(self, *args, **kwargs):
         return self._payload.to(torch.float32) * self._scale
 
     __torch_function__ = torch._C._disabled_torch_function_impl

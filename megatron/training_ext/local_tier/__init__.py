@@ -22,25 +22,24 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
     LocalCheckpointManager,
 )
 
-from megatron.overlay.registry import Patcher
 from megatron.integrity import local_identity
+from megatron.overlay import Patch, Patcher, value
 from megatron.training_ext.local_tier import common
-from megatron.training_ext.local_tier.checks import _finite_flags as _finite_flags  # for tests
-from megatron.training_ext.local_tier.checks import _verify as _verify  # for tests
+from megatron.training_ext.local_tier.checks import finite_flags, verify_state_dict
 from megatron.training_ext.local_tier.common import (
-    _RERUN_EXIT_CODES,
     DEFAULT_NAN_WINDOW,
     FINITE_ATTR,
     LOCAL_TIER_BAD_EXIT_CODE,
     LOG_PREFIX,
     MARKER_NAME,
     QUARANTINE_DIR,
-    _State,
+    RERUN_EXIT_CODES,
+    TierState,
     logger,
 )
 from megatron.training_ext.local_tier.manager import ValidatedLocalCheckpointManager
 from megatron.training_ext.local_tier.markers import read_marker
-from megatron.training_ext.local_tier.nan_window import _wrap_train_step, _wrap_validate_result
+from megatron.training_ext.local_tier.nan_window import wrap_train_step, wrap_validate_result
 
 __all__ = [
     "DEFAULT_NAN_WINDOW",
@@ -53,11 +52,35 @@ __all__ = [
     "install",
     "installed",
     "loaded_local_iteration",
+    "finite_flags",
     "read_marker",
+    "verify_state_dict",
     "uninstall",
 ]
 
 _PATCHER = Patcher("local_tier")
+
+#: What :func:`install` replaces, in order.
+PATCHES = (
+    Patch(
+        "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager."
+        "LocalCheckpointManager",
+        value(ValidatedLocalCheckpointManager),
+        "pretrain() builds this class: local files are verified (checksums, identity, "
+        "finiteness) and a bad local tier falls back to the persistent checkpoint",
+    ),
+    Patch(
+        "megatron.training.training.train_step",
+        wrap_train_step,
+        "the NaN window after a local-tier resume watches each iteration's loss and grad norm",
+        params=("iteration",),
+    ),
+    Patch(
+        "megatron.core.rerun_state_machine.RerunStateMachine.validate_result",
+        wrap_validate_result,
+        "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
+    ),
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -104,7 +127,7 @@ def install(args: Any) -> None:
     if common.STATE is not None:  # same object (holders keep it), every field as for a new process
         vars(common.STATE).update(
             vars(
-                _State(
+                TierState(
                     validation=validation,
                     nan_window=window,
                     args=args,
@@ -134,38 +157,18 @@ def install(args: Any) -> None:
     if (
         rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE,
         rsm.EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-    ) != _RERUN_EXIT_CODES:
+    ) != RERUN_EXIT_CODES:
         raise RuntimeError("local_tier: upstream rerun exit codes changed")
 
-    common.STATE = _State(
+    common.STATE = TierState(
         validation=validation,
         nan_window=window,
         args=args,
         settings=local_identity.run_settings(args),
         topology=local_identity.topology(args),
     )
-    _PATCHER.replace(
-        local_manager,
-        "LocalCheckpointManager",
-        ValidatedLocalCheckpointManager,
-        "pretrain() builds this class: local files are verified (checksums, identity, "
-        "finiteness) and a bad local tier falls back to the persistent checkpoint",
-    )
-    for owner, name, wrap, why in (
-        (
-            training,
-            "train_step",
-            _wrap_train_step,
-            "the NaN window after a local-tier resume watches each iteration's loss and grad norm",
-        ),
-        (
-            rsm.RerunStateMachine,
-            "validate_result",
-            _wrap_validate_result,
-            "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
-        ),
-    ):
-        _PATCHER.replace(owner, name, wrap(getattr(owner, name)), why)
+    for patch in PATCHES:
+        patch.install(_PATCHER)
     logger.info("local_tier: validated local checkpoint tier installed (NaN window %d)", window)
 
 

@@ -14,14 +14,14 @@ from megatron.integrity import checksums as ck
 from megatron.integrity.tensors import is_quantized
 from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.common import (
-    _FINITE_CHUNK,
     FINITE_ATTR,
+    FINITE_CHUNK,
     FINITE_FORMAT,
     logger,
 )
 
 
-def _tensor_keys(state_dict: Any, count: int) -> List[tuple]:
+def state_tensor_keys(state_dict: Any, count: int) -> List[tuple]:
     """(key, global_offset) per tensor of a non-hollow state dict, in ``tensors`` order."""
     try:
         sharded = list(state_dict._sharded_tensors)
@@ -47,12 +47,12 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
         return torch.isfinite(flat.sum(dtype=wide))
     except (RuntimeError, TypeError):
         ok = torch.ones((), dtype=torch.bool, device=flat.device)
-        for start in range(0, flat.numel(), _FINITE_CHUNK):
-            ok = ok & torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()
+        for start in range(0, flat.numel(), FINITE_CHUNK):
+            ok = ok & torch.isfinite(flat[start : start + FINITE_CHUNK]).all()
         return ok
 
 
-def _finite_flags(tensors: List[torch.Tensor]) -> List[Optional[bool]]:
+def finite_flags(tensors: List[torch.Tensor]) -> List[Optional[bool]]:
     """Per tensor: True/False = all values finite or not; None = not determinable (quantized or
     exotic tensors). Integer/bool tensors are True. One host synchronisation in all."""
     flags: List[Optional[bool]] = [None] * len(tensors)
@@ -75,7 +75,7 @@ def _finite_flags(tensors: List[torch.Tensor]) -> List[Optional[bool]]:
     return flags
 
 
-def _strategy_verifies(strategy: Any) -> bool:
+def strategy_verifies(strategy: Any) -> bool:
     """True if the strategy's retrieve_execute is the replication fix's (verifies checksums)."""
     try:
         from megatron.fixes import replication
@@ -85,15 +85,15 @@ def _strategy_verifies(strategy: Any) -> bool:
     return fixed is not None and getattr(type(strategy), "retrieve_execute", None) is fixed
 
 
-def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str], str]:
+def verify_state_dict(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str], str]:
     """Checksums (optional) and finiteness of one loaded state dict, in one pass over each host
-    tensor's bytes (:func:`megatron.integrity.verify.fused_scan`); (errors, summary)."""
-    from megatron.integrity.verify import fused_scan
+    tensor's bytes (:func:`megatron.integrity.tensor_ops.fused_scan`); (errors, summary)."""
+    from megatron.integrity.tensor_ops import fused_scan
 
     st = common.STATE
     errors: List[str] = []
     tensors = list(state_dict.tensors)
-    keys = [k for k, _ in _tensor_keys(state_dict, len(tensors))]
+    keys = [k for k, _ in state_tensor_keys(state_dict, len(tensors))]
     done = []
     entries = None
     if check_checksums:
@@ -157,7 +157,7 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
     if slow_finite:
         bad += [
             keys[i]
-            for i, ok in zip(slow_finite, _finite_flags([tensors[i] for i in slow_finite]))
+            for i, ok in zip(slow_finite, finite_flags([tensors[i] for i in slow_finite]))
             if ok is False
         ]
     errors += [f"ChecksumMismatchError: {what}: {m}" for m in mismatches[:3]]
@@ -173,7 +173,7 @@ def _verify(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str
     return errors, ", ".join(done) or "nothing to verify"
 
 
-def _fingerprint(state_dict: Any) -> Optional[str]:
+def header_fingerprint(state_dict: Any) -> Optional[str]:
     """Digest of a file's stored checksum record (key, offset, dtype, shape, checksum per tensor):
     equal for copies of one shard; ``None`` without a record."""
     try:

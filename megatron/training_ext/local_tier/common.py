@@ -15,7 +15,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.overlay import collective, local_layout
+from megatron.integrity import local_layout
+from megatron.overlay import collective
 from megatron.training_ext.console import write_line
 
 LOCAL_TIER_BAD_EXIT_CODE = 75
@@ -45,15 +46,15 @@ LOG_PREFIX = "[local-tier]"
 
 logger = logging.getLogger("megatron.training_ext.local_tier")
 
-_RERUN_EXIT_CODES = (16, 17)  # megatron.core.rerun_state_machine EXIT_CODE_* (checked at install)
+RERUN_EXIT_CODES = (16, 17)  # megatron.core.rerun_state_machine EXIT_CODE_* (checked at install)
 
-_FINITE_CHUNK = 1 << 26  # elements per isfinite() pass in the fallback (bounds the bool temporary)
+FINITE_CHUNK = 1 << 26  # elements per isfinite() pass in the fallback (bounds the bool temporary)
 
-_NONFINITE_WORDS = re.compile(r"\bnan\b|\binf\b|non-?finite", re.IGNORECASE)
+NONFINITE_WORDS = re.compile(r"\bnan\b|\binf\b|non-?finite", re.IGNORECASE)
 
 
 @dataclass
-class _State:
+class TierState:
     validation: bool
     nan_window: int
     args: Any = None
@@ -69,20 +70,20 @@ class _State:
     warned_unverified: bool = False
 
 
-STATE: Optional[_State] = None
+STATE: Optional[TierState] = None
 """The decision state of the installed tier; ``None`` while it is not installed."""
 
 
-def _rank() -> int:
+def process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     """One log line of this rank (stdout, flushed: it must survive an immediate exit)."""
-    write_line(f"{LOG_PREFIX} rank {_rank()}: {message}")
+    write_line(f"{LOG_PREFIX} rank {process_rank()}: {message}")
 
 
-def _gather(obj: Any) -> list:
+def gather_objects(obj: Any) -> list:
     """``all_gather_object`` on the default group (world)."""
     return collective.all_gather_object(obj)
 
@@ -94,29 +95,29 @@ def _flag_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _any_rank(flag: bool) -> bool:
+def any_rank(flag: bool) -> bool:
     """Collective: True if ``flag`` is set on any rank (one all-reduce of one int)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
-def _short(text: str, limit: int = 300) -> str:
+def shorten(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _exc_text(e: BaseException) -> str:
+def exc_text(e: BaseException) -> str:
     """``Type: message`` of an exception; for a multi-line message (``ChecksumMismatchError``: a
     header, then one line per problem) the first problem line and a count."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     if len(lines) > 1:
         more = f" (+{len(lines) - 2} more)" if len(lines) > 2 else ""
-        return f"{type(e).__name__}: {_short(lines[1], 260)}{more}"
-    return f"{type(e).__name__}: {_short(lines[0] if lines else '', 260)}"
+        return f"{type(e).__name__}: {shorten(lines[1], 260)}{more}"
+    return f"{type(e).__name__}: {shorten(lines[0] if lines else '', 260)}"
 
 
-def _summarize(gathered: list, limit: int = 3) -> str:
+def summarize(gathered: list, limit: int = 3) -> str:
     """``[[errors of rank 0], [errors of rank 1], ...]`` -> one line: each distinct error once,
     with the ranks that reported it."""
     by_text: dict[str, list[int]] = {}
@@ -125,14 +126,14 @@ def _summarize(gathered: list, limit: int = 3) -> str:
             by_text.setdefault(str(e), []).append(r)
     items = list(by_text.items())
     shown = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {_short(t, 300)}"
+        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {shorten(t, 300)}"
         for t, rs in items[:limit]
     )
     more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
     return shown + more
 
 
-def _megatron_args() -> Any:
+def megatron_args() -> Any:
     st = STATE
     if st is not None and st.args is not None:
         return st.args

@@ -21,24 +21,24 @@ from megatron.integrity import checksums as ck
 from megatron.integrity import local_identity, local_layout
 from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.checks import (
-    _fingerprint,
-    _finite_flags,
-    _tensor_keys,
-    _verify,
+    finite_flags,
+    header_fingerprint,
+    state_tensor_keys,
+    verify_state_dict,
 )
 from megatron.training_ext.local_tier.common import (
     FINITE_ATTR,
     FINITE_FORMAT,
-    _exc_text,
-    _gather,
-    _megatron_args,
-    _rank,
-    _say,
-    _short,
+    exc_text,
+    gather_objects,
     logger,
+    megatron_args,
+    process_rank,
+    say,
+    shorten,
 )
-from megatron.training_ext.local_tier.markers import _clear_marker
-from megatron.training_ext.local_tier.resolve import LocalTierResolution, _Copy, _Resolution
+from megatron.training_ext.local_tier.markers import clear_marker
+from megatron.training_ext.local_tier.resolve import LocalCopy, LocalTierResolution, Resolution
 
 
 class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManager):
@@ -68,7 +68,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
 
     def __init__(self, root_local_ckpt_dir, session_id: str = "", repl_strategy=None):
         super().__init__(root_local_ckpt_dir, session_id=session_id, repl_strategy=repl_strategy)
-        self._resolution: Optional[_Resolution] = None
+        self._resolution: Optional[Resolution] = None
         self._generation: Optional[str] = None
         self._identity: Optional[tuple] = None
         self._saved = False
@@ -87,9 +87,9 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         settled them, else this rank's own (rank 0 creates the run token in ``--save``)."""
         if self._identity is not None:
             return self._identity
-        args = _megatron_args()
+        args = megatron_args()
         st = common.STATE
-        token = local_identity.run_token(getattr(args, "save", None), create=_rank() == 0)
+        token = local_identity.run_token(getattr(args, "save", None), create=process_rank() == 0)
         run_id, source, settings = local_identity.run_identity(
             args, token, st.settings if st is not None else None
         )
@@ -104,7 +104,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         """Collective (first call only): rank 0's run identity and a token shared by every rank
         of this process generation (the save token of every file it writes)."""
         if self._generation is None:
-            gen, ident = _gather((uuid.uuid4().hex, self._identity_parts()))[0]
+            gen, ident = gather_objects((uuid.uuid4().hex, self._identity_parts()))[0]
             self._generation, self._identity = gen, tuple(ident)
         return self._generation
 
@@ -115,7 +115,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             self._resolution = None  # release what the load held
             removed = self._remove_dirty()
             if removed:
-                _say(
+                say(
                     f"removed {len(removed)} leftover(s) of an interrupted save: "
                     f"{', '.join(removed)}"
                 )
@@ -126,8 +126,8 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             {
                 "format": FINITE_FORMAT,
                 "version": 1,
-                "owner_rank": _rank(),
-                "finite": _finite_flags(tensors),
+                "owner_rank": process_rank(),
+                "finite": finite_flags(tensors),
             },
         )
         run_id, source, settings, topo = self._identity_parts()
@@ -135,7 +135,14 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             state_dict,
             local_identity.IDENTITY_ATTR,
             local_identity.make_identity(
-                run_id, source, settings, topo, iteration, _rank(), generation, socket.gethostname()
+                run_id,
+                source,
+                settings,
+                topo,
+                iteration,
+                process_rank(),
+                generation,
+                socket.gethostname(),
             ),
         )
         return super().save(state_dict, iteration, is_async)
@@ -149,7 +156,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             if not has_record:
                 try:
                     tensors = list(state_dict.tensors)
-                    names = _tensor_keys(state_dict, len(tensors))
+                    names = state_tensor_keys(state_dict, len(tensors))
                     entries = [
                         ck.make_entry(i, k, t, global_offset=o)
                         for i, ((k, o), t) in enumerate(zip(names, tensors))
@@ -167,7 +174,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
 
     def _cleanup(self, iteration):
         result = super()._cleanup(iteration)
-        _clear_marker(self, iteration)
+        clear_marker(self, iteration)
         return result
 
     def _remove_dirty(self) -> List[str]:
@@ -216,11 +223,11 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
 
     def _inspect(
         self, run_id: str, settings: dict, topo: dict
-    ) -> tuple[List[_Copy], dict, List[str]]:
+    ) -> tuple[List[LocalCopy], dict, List[str]]:
         """This rank's local files: the header of every copy (memory-mapped, no tensor data read),
         and the own primary of the newest iteration fully loaded and verified (checksums,
         finiteness). Returns (copies, {ckpt_id: (state dict, summary)}, leftovers removed)."""
-        me = _rank()
+        me = process_rank()
         leftovers = self._remove_dirty()
         files = []
         d = Path(self.local_ckpt_dir)
@@ -233,7 +240,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         speculative = max(own_iters) if own_iters else None
         copies, loaded = [], {}
         for it, owner, path in sorted(files, key=lambda x: (-x[0], x[1])):
-            c = _Copy(it, owner, me, None)
+            c = LocalCopy(it, owner, me, None)
             copies.append(c)
             try:
                 try:
@@ -242,7 +249,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
                     header = torch.load(path, mmap=True, weights_only=False)
                 rec = local_identity.get_identity(header)
             except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
-                c.problem = f"unreadable: {_exc_text(e)}"
+                c.problem = f"unreadable: {exc_text(e)}"
                 continue
             problems = local_identity.identity_problems(rec, run_id, settings, topo, it, owner)
             if rec is not None:
@@ -250,28 +257,30 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
                 if c.run_id != run_id:  # decided collectively against the agreed run id
                     c.foreign, problems = problems[0], problems[1:]
             c.problem = "; ".join(problems) or None
-            c.fingerprint = _fingerprint(header)
+            c.fingerprint = header_fingerprint(header)
             del header
             if c.problem is None and c.foreign is None and owner == me and it == speculative:
                 self._verify_own(c, loaded)
         return copies, loaded, leftovers
 
-    def _verify_own(self, c: _Copy, loaded: dict) -> None:
+    def _verify_own(self, c: LocalCopy, loaded: dict) -> None:
         """Load this rank's primary ``c`` as upstream does and check it against its checksums and
         finiteness record; sets ``c.problem`` or stores it in ``loaded``."""
         cid = self._ckpt_id(c.iteration)
         t0 = time.perf_counter()
         try:
             sd = self._load(cid)  # host tensors as stored: verified before they go to the device
-            errors, summary = _verify(sd, f"rank {c.holder}'s primary", check_checksums=True)
+            errors, summary = verify_state_dict(
+                sd, f"rank {c.holder}'s primary", check_checksums=True
+            )
             sd.restore_tensor_device(non_blocking=False)
         except Exception as e:  # noqa: BLE001
-            errors, summary = [f"unreadable: {_exc_text(e)}"], ""
+            errors, summary = [f"unreadable: {exc_text(e)}"], ""
         self.timings["own_primary"] = (
             self.timings.get("own_primary", 0.0) + time.perf_counter() - t0
         )
         c.bytes_verified = True
         if errors:
-            c.problem = _short("; ".join(errors), 400)
+            c.problem = shorten("; ".join(errors), 400)
         else:
             loaded[cid] = (sd, summary)

@@ -19,9 +19,9 @@ from megatron.training_ext.local_tier.common import (
     MARKER_FORMAT,
     MARKER_NAME,
     QUARANTINE_DIR,
-    _rank,
-    _say,
-    _short,
+    process_rank,
+    say,
+    shorten,
 )
 
 
@@ -48,7 +48,7 @@ def read_marker(local_dir: os.PathLike | str) -> Optional[dict]:
         return {"reason": f"unreadable marker {path}: {e}"}
 
 
-def _write_marker(manager: Any, iteration: int, reason: str) -> Path:
+def write_marker(manager: Any, iteration: int, reason: str) -> Path:
     st = common.STATE
     local_dir = _local_dir(manager)
     local_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +58,7 @@ def _write_marker(manager: Any, iteration: int, reason: str) -> Path:
         "iteration": int(iteration),
         "local_checkpoint_iteration": st.local_load_iteration,
         "reason": reason,
-        "rank": _rank(),
+        "rank": process_rank(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -75,7 +75,7 @@ def _write_marker(manager: Any, iteration: int, reason: str) -> Path:
     return path
 
 
-def _clear_marker(manager: Any, iteration: int) -> None:
+def clear_marker(manager: Any, iteration: int) -> None:
     st = common.STATE
     if st is None or st.marker_written:
         return
@@ -93,17 +93,17 @@ def _clear_marker(manager: Any, iteration: int) -> None:
         shutil.rmtree(rejected, ignore_errors=True)
         removed.append(f"the rejected local checkpoints in {rejected}")
     if removed:
-        _say(
+        say(
             f"local checkpoint at iteration {iteration} is complete on all ranks: removed "
             f"{' and '.join(removed)}"
         )
 
 
-def _describe_marker(rank: int, m: dict) -> str:
+def describe_marker(rank: int, m: dict) -> str:
     if "iteration" in m:
         return (
             f"rank {rank} marked the local tier bad at iteration {m.get('iteration')} "
             f"(resumed from local iteration {m.get('local_checkpoint_iteration')}, "
-            f"{m.get('time', '?')}): {_short(m.get('reason', '?'), 200)}"
+            f"{m.get('time', '?')}): {shorten(m.get('reason', '?'), 200)}"
         )
     return f"rank {rank}: {m.get('reason')}"

@@ -16,16 +16,16 @@ import torch
 from megatron.overlay.registry import wraps_upstream
 from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.common import (
-    _NONFINITE_WORDS,
-    _RERUN_EXIT_CODES,
     LOCAL_TIER_BAD_EXIT_CODE,
-    _any_rank,
-    _gather,
-    _say,
-    _short,
-    _summarize,
+    NONFINITE_WORDS,
+    RERUN_EXIT_CODES,
+    any_rank,
+    gather_objects,
+    say,
+    shorten,
+    summarize,
 )
-from megatron.training_ext.local_tier.markers import _write_marker
+from megatron.training_ext.local_tier.markers import write_marker
 
 
 def _is_finite_value(v: Any) -> bool:
@@ -47,10 +47,10 @@ def _exit_now(iteration: int, reason: str) -> None:
     """Rank-local failure inside the window: marker on this rank, then ``os._exit(75)`` (the
     other ranks may be blocked in a collective; the launcher stops them)."""
     st = common.STATE
-    path = _write_marker(st.manager, iteration, reason)
-    _say(
+    path = write_marker(st.manager, iteration, reason)
+    say(
         f"non-finite result at iteration {iteration} after resuming from the local checkpoint at "
-        f"iteration {st.local_load_iteration} ({_short(reason, 300)}); wrote {path}; exiting "
+        f"iteration {st.local_load_iteration} ({shorten(reason, 300)}); wrote {path}; exiting "
         f"with code {LOCAL_TIER_BAD_EXIT_CODE}"
     )
     sys.stdout.flush()
@@ -58,7 +58,7 @@ def _exit_now(iteration: int, reason: str) -> None:
     os._exit(LOCAL_TIER_BAD_EXIT_CODE)
 
 
-def _wrap_train_step(upstream):
+def wrap_train_step(upstream):
     sig = inspect.signature(upstream)
 
     @wraps_upstream(upstream)
@@ -82,7 +82,7 @@ def _wrap_train_step(upstream):
             out = upstream(*a, **kw)
         except Exception as e:
             st.deferring = False
-            if _NONFINITE_WORDS.search(str(e)):
+            if NONFINITE_WORDS.search(str(e)):
                 _exit_now(iteration + 1, f"{type(e).__name__}: {e}")
             raise
         finally:
@@ -91,7 +91,7 @@ def _wrap_train_step(upstream):
         if not (isinstance(out, tuple) and len(out) >= 6):
             return out
         loss_dict, _, _, should_exit, exit_code, grad_norm = out[:6]
-        if should_exit and exit_code in _RERUN_EXIT_CODES:
+        if should_exit and exit_code in RERUN_EXIT_CODES:
             reasons.append(
                 f"rerun state machine requested exit code {exit_code} (result validation failed)"
             )
@@ -100,12 +100,12 @@ def _wrap_train_step(upstream):
                 reasons.append(f"'{key}' is {value}")
         if not _is_finite_value(grad_norm):
             reasons.append(f"grad norm is {grad_norm}")
-        if not _any_rank(bool(reasons)):
+        if not any_rank(bool(reasons)):
             return out
-        gathered = _gather(reasons)
-        reason = f"non-finite training result: {_summarize(gathered)}"
-        path = _write_marker(st.manager, iteration + 1, reason)
-        _say(
+        gathered = gather_objects(reasons)
+        reason = f"non-finite training result: {summarize(gathered)}"
+        path = write_marker(st.manager, iteration + 1, reason)
+        say(
             f"non-finite result at iteration {iteration + 1}, "
             f"{iteration + 1 - st.local_load_iteration} "
             f"iteration(s) after resuming from the local checkpoint at iteration "
@@ -120,7 +120,7 @@ def _wrap_train_step(upstream):
     return train_step
 
 
-def _wrap_validate_result(upstream):
+def wrap_validate_result(upstream):
     @wraps_upstream(upstream)
     def validate_result(
         self, result, rejection_func, message, comparison_func=None, tolerance=0.0, fatal=True
@@ -131,7 +131,7 @@ def _wrap_validate_result(upstream):
             from megatron.core.rerun_state_machine import RerunMode
 
             if bool(rejection_func(result)):
-                text = f"{message} (result {_short(result, 60)})"
+                text = f"{message} (result {shorten(result, 60)})"
                 if text not in st.deferred:
                     st.deferred.append(text)
                 if self.mode == RerunMode.DISABLED:

@@ -19,24 +19,24 @@ import torch.distributed as dist
 
 from megatron.integrity import local_identity, local_layout
 from megatron.training_ext.local_tier import common
-from megatron.training_ext.local_tier.checks import _strategy_verifies, _verify
+from megatron.training_ext.local_tier.checks import strategy_verifies, verify_state_dict
 from megatron.training_ext.local_tier.common import (
     MARKER_NAME,
     QUARANTINE_DIR,
-    _exc_text,
-    _gather,
-    _megatron_args,
-    _rank,
-    _say,
-    _short,
-    _summarize,
+    exc_text,
+    gather_objects,
     logger,
+    megatron_args,
+    process_rank,
+    say,
+    shorten,
+    summarize,
 )
-from megatron.training_ext.local_tier.markers import _describe_marker, read_marker
+from megatron.training_ext.local_tier.markers import describe_marker, read_marker
 
 
 @dataclass
-class _Copy:
+class LocalCopy:
     """One local file of a candidate iteration, as its holder judged it (gathered to all ranks)."""
 
     iteration: int
@@ -60,12 +60,12 @@ class _Report:
     generation: str
     marker: Optional[dict]
     persistent: Optional[int]
-    copies: List[_Copy]
+    copies: List[LocalCopy]
     leftovers: List[str]
 
 
 @dataclass
-class _Resolution:
+class Resolution:
     """The collective decision of a load: which local iteration, and where each shard comes from."""
 
     iteration: int  # -1: not the local tier
@@ -74,7 +74,7 @@ class _Resolution:
     line: str = ""
 
 
-def _no_verified_copy(owner: int, copies: List[_Copy]) -> str:
+def _no_verified_copy(owner: int, copies: List[LocalCopy]) -> str:
     """Why no copy of ``owner``'s shard can be used: each copy's holder, role and problem."""
     detail = (
         "; ".join(
@@ -83,7 +83,7 @@ def _no_verified_copy(owner: int, copies: List[_Copy]) -> str:
         )
         or "no copy on any rank"
     )
-    return f"no verified copy of rank {owner}'s shard ({_short(detail, 500)})"
+    return f"no verified copy of rank {owner}'s shard ({shorten(detail, 500)})"
 
 
 def _persistent_iteration(load_dir: Optional[str]) -> Optional[int]:
@@ -104,7 +104,7 @@ def _markers_reason(reports: List[_Report]) -> Optional[str]:
     found = [(r.rank, r.marker) for r in reports if r.marker is not None]
     if not found:
         return None
-    first = _describe_marker(*found[0])
+    first = describe_marker(*found[0])
     more = f" (markers on ranks {[r for r, _ in found]})" if len(found) > 1 else ""
     return f"bad-tier marker {MARKER_NAME} found: {first}{more}"
 
@@ -117,15 +117,15 @@ class LocalTierResolution:
     Rules: ``docs/local-tier.md``. Every method is collective unless it says otherwise.
     """
 
-    def _resolve(self) -> _Resolution:
+    def _resolve(self) -> Resolution:
         """Collective: decide what this load uses (see the class docstring)."""
         st = common.STATE
         st.manager = self
-        me, world = _rank(), dist.get_world_size()
+        me, world = process_rank(), dist.get_world_size()
         t0 = time.perf_counter()
         identity = self._identity_parts()
         run_id, _, settings, topo = identity
-        args = _megatron_args()
+        args = megatron_args()
         load_dir = getattr(args, "load", None)
         copies, loaded, leftovers = self._inspect(run_id, settings, topo)
         mine = _Report(
@@ -140,7 +140,7 @@ class LocalTierResolution:
         )
         t_gather = time.perf_counter()
         self.timings["headers"] = t_gather - t0 - self.timings.get("own_primary", 0.0)
-        reports: List[_Report] = _gather(mine)
+        reports: List[_Report] = gather_objects(mine)
         self.timings["agree"] = time.perf_counter() - t_gather
         self._generation, self._identity = reports[0].generation, tuple(reports[0].identity)
         agreed_run = self._identity[0]
@@ -176,12 +176,12 @@ class LocalTierResolution:
         if not iterations:
             return self._fall_back(None, load_dir, persistent, notes)
         if persistent is not None and iterations[0] < persistent:
-            _say(
+            say(
                 f"local checkpoint at iteration {iterations[0]} is older than the persistent "
                 f"checkpoint at iteration {persistent} in {load_dir}: loading the persistent one"
                 + "".join(f"; {n}" for n in notes)
             )
-            return _Resolution(iterations[0])
+            return Resolution(iterations[0])
         hosts = {r.rank: r.host for r in reports}
         why_not: List[str] = []
         for it in iterations:
@@ -209,17 +209,17 @@ class LocalTierResolution:
     def _try_iteration(
         self,
         it: int,
-        all_copies: List[_Copy],
+        all_copies: List[LocalCopy],
         hosts: dict,
         loaded: dict,
         world: int,
         why_not: List[str],
         notes: List[str],
         t0: float,
-    ) -> Optional[_Resolution]:
+    ) -> Optional[Resolution]:
         """Collective: use local iteration ``it`` if every shard has a verified copy, repairing
         shards from replicas; None (on every rank) when it cannot be used, reason in ``why_not``."""
-        me = _rank()
+        me = process_rank()
         copies = [c for c in all_copies if c.iteration == it]
         # all copies of one save carry its save token: a copy of another save is out-voted
         tokens = Counter(c.token for c in copies if c.problem is None)
@@ -237,7 +237,7 @@ class LocalTierResolution:
                         f"the others {best})"
                     )
         # cross-check: each shard's copies must agree with its verified primary
-        by_owner: dict[int, List[_Copy]] = {}
+        by_owner: dict[int, List[LocalCopy]] = {}
         for c in copies:
             by_owner.setdefault(c.owner, []).append(c)
         for owner, cs in by_owner.items():
@@ -278,7 +278,7 @@ class LocalTierResolution:
             for c in pending:
                 if c.holder == me:
                     self._verify_own(c, loaded)
-            late = _gather([(c.owner, c.problem) for c in pending if c.holder == me])
+            late = gather_objects([(c.owner, c.problem) for c in pending if c.holder == me])
             for entries in late:
                 for owner, problem in entries:
                     for c in by_owner.get(owner, []):
@@ -321,7 +321,7 @@ class LocalTierResolution:
             self.timings["repair"] = time.perf_counter() - t_repair
 
     def _repair_attempts(self, it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0):
-        me = _rank()
+        me = process_rank()
         strategy = self.repl_strategy
         my_id = self._ckpt_id(it)
         clique = list(getattr(strategy.local_group, "ranks", range(dist.get_world_size())))
@@ -345,24 +345,24 @@ class LocalTierResolution:
                 try:
                     plan = strategy.retrieve_plan(available, [my_id])
                 except Exception as e:  # noqa: BLE001 - same on every rank of the clique
-                    errors.append(f"no retrieval plan: {_exc_text(e)}")
+                    errors.append(f"no retrieval plan: {exc_text(e)}")
                 if plan is not None:
                     for entry in plan.entries:
                         if entry.sender == me and entry.receiver != me:
                             cid = entry.id_
                             try:
                                 sd = self._load(cid)  # verified on the host, then to the device
-                                errs, _ = _verify(
+                                errs, _ = verify_state_dict(
                                     sd, f"rank {me}'s replica of rank {cid[1]}'s shard", True
                                 )
                                 sd.restore_tensor_device(non_blocking=False)
                             except Exception as e:  # noqa: BLE001
-                                sd, errs = None, [f"unreadable: {_exc_text(e)}"]
+                                sd, errs = None, [f"unreadable: {exc_text(e)}"]
                             if errs:
-                                sent.append((cid[1], me, _short("; ".join(errs), 400)))
+                                sent.append((cid[1], me, shorten("; ".join(errs), 400)))
                             else:
                                 loaded[cid] = (sd, "")
-            verdicts = _gather((sent, errors))
+            verdicts = gather_objects((sent, errors))
             bad = [b for s, _ in verdicts for b in s]
             plan_errors = [e for _, es in verdicts for e in es]
             if plan_errors:
@@ -381,7 +381,7 @@ class LocalTierResolution:
                 try:
                     received = strategy.retrieve_execute(plan, my_data)
                 except Exception as e:  # noqa: BLE001 - ChecksumMismatchError on every clique rank
-                    errs.append(_exc_text(e))
+                    errs.append(exc_text(e))
             summary, source = "", None
             if not errs and me in need:
                 sd = received.get(my_id) if received else None
@@ -391,16 +391,16 @@ class LocalTierResolution:
                     )
                 else:
                     source = next(e.sender for e in plan.entries if e.receiver == me)
-                    verify_errs, summary = _verify(
+                    verify_errs, summary = verify_state_dict(
                         sd,
                         f"rank {me}'s shard received from rank {source}",
-                        not _strategy_verifies(strategy),
+                        not strategy_verifies(strategy),
                     )
                     errs += verify_errs
                     loaded[my_id] = (sd, summary)
-            outcome = _gather(errs)
+            outcome = gather_objects(errs)
             if any(outcome):
-                why_not.append(f"iteration {it}: repair failed: {_summarize(outcome)}")
+                why_not.append(f"iteration {it}: repair failed: {summarize(outcome)}")
                 return None
             sd, summary0 = loaded[my_id]
             if me in need:
@@ -408,7 +408,7 @@ class LocalTierResolution:
                 line = (
                     f"local checkpoint at iteration {it}: repaired from rank {source}'s replica on "
                     f"host {hosts.get(source, '?')} (verified: {summary}); own primary: "
-                    f"{_short(own, 300)}"
+                    f"{shorten(own, 300)}"
                 )
             else:
                 line = (
@@ -420,8 +420,8 @@ class LocalTierResolution:
         why_not.append(f"iteration {it}: no replica verified after several attempts")
         return None
 
-    def _resolved(self, it, sd, cid, line, all_copies, notes, t0) -> _Resolution:
-        me = _rank()
+    def _resolved(self, it, sd, cid, line, all_copies, notes, t0) -> Resolution:
+        me = process_rank()
         bad = [
             c
             for c in all_copies
@@ -431,7 +431,7 @@ class LocalTierResolution:
         if bad:
             extra.append(
                 f"moved {len(bad)} bad replica(s) to {QUARANTINE_DIR}/: "
-                + "; ".join(f"rank {c.owner}'s shard: {_short(c.problem, 200)}" for c in bad)
+                + "; ".join(f"rank {c.owner}'s shard: {shorten(c.problem, 200)}" for c in bad)
             )
         tm = self.timings
         tm["total"] = time.perf_counter() - t0
@@ -444,10 +444,10 @@ class LocalTierResolution:
             "local tier start: %s",
             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(tm.items())),
         )
-        _say(line + "".join(f"; {n}" for n in extra) + f" [{tm['total']:.2f} s]")
-        return _Resolution(it, sd, cid, line)
+        say(line + "".join(f"; {n}" for n in extra) + f" [{tm['total']:.2f} s]")
+        return Resolution(it, sd, cid, line)
 
-    def _quarantine(self, keep: Optional[int] = None, bad: Sequence[_Copy] = ()) -> int:
+    def _quarantine(self, keep: Optional[int] = None, bad: Sequence[LocalCopy] = ()) -> int:
         """Move this rank's local files into ``rejected/``: every file when ``keep`` is None, else
         the files of iterations newer than ``keep`` and the ``bad`` copies of ``keep``."""
         d = Path(self.local_ckpt_dir)
@@ -474,7 +474,7 @@ class LocalTierResolution:
 
     _quarantined_once = False
 
-    def _fall_back(self, reason: Optional[str], load_dir, persistent, notes) -> _Resolution:
+    def _fall_back(self, reason: Optional[str], load_dir, persistent, notes) -> Resolution:
         """Every rank: this process does not use the local tier; quarantine, say why (one line)."""
         st = common.STATE
         moved = self._quarantine()
@@ -496,5 +496,5 @@ class LocalTierResolution:
         else:
             st.force_persistent, st.rejected_reason = True, reason
             line = f"local checkpoint tier rejected: {reason} -> loading {target}"
-        _say(line + "".join(f"; {n}" for n in extra))
-        return _Resolution(-1, line=line)
+        say(line + "".join(f"; {n}" for n in extra))
+        return Resolution(-1, line=line)

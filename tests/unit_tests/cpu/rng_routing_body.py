@@ -176,7 +176,7 @@ DISTRIBUTIONS = {
     "StudentT": lambda d: D.StudentT(ones(d, 8)).rsample(),
 }
 
-NS = {ns.__name__: ns for ns in runtime._BINDING_NAMESPACES}
+NS = {ns.__name__: ns for ns in runtime.BINDING_NAMESPACES}
 NS["Tensor"] = torch.Tensor
 failures = []
 randoms = runtime.random_callables()

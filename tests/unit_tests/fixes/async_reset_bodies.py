@@ -114,7 +114,7 @@ def save_abort_save_load(rank: int, world: int, tmp: Path, fixed: bool) -> None:
         loaded = dist_checkpointing.load(template, str(tmp / "b"))
         result["loaded"] = True
         result["bitwise"] = bool(torch.equal(loaded["b"], expected))
-    except (Exception, CheckpointException) as e:  # unfixed: B's metadata describes A's files
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - unfixed: B's metadata describes A's files
         result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     torch.distributed.barrier()
     async_utils.maybe_finalize_async_save(blocking=True, terminate=True)

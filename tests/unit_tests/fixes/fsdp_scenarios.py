@@ -91,12 +91,21 @@ def scenario_fused_to_fused(env: Env, root: str) -> None:
 
 
 def scenario_legacy_to_fused(env: Env, root: str) -> None:
+    from megatron.training import checkpointing
+
     from megatron.fixes.fsdp_dtensor import FIX
+    from megatron.fixes.fsdp_dtensor.layout import _HANDLERS, defer_upstream_handler
 
     FIX.reset()  # write like unfixed 0.19.2
+    # an upstream with its own layout handlers (main) would not write the legacy layout
+    own = {n: getattr(checkpointing, n) for n in _HANDLERS if hasattr(checkpointing, n)}
     try:
+        for n, handler in own.items():
+            setattr(checkpointing, n, defer_upstream_handler(handler))
         save(FakeModel(env, fused=True, fill="truth", shard="exact"), root)
     finally:
+        for n, handler in own.items():
+            setattr(checkpointing, n, handler)
         FIX.apply()
     keys = metadata_keys(root)
     assert "model.module.decoder.layers.0.self_attention.linear_qkv_down_proj.weight" in keys
@@ -158,7 +167,7 @@ def scenario_shape_mismatch(env: Env, unfused_root: str) -> None:
     for args in (make_args(), make_args(strict_fsdp_dtensor_load=False)):
         try:
             load(model, unfused_root, args)
-        except BaseException as e:  # strict: DCP's CheckpointException (a BaseException) wrapping
+        except BaseException as e:  # noqa: BLE001 - strict: DCP's CheckpointException (a BaseException) wrapping
             # ours, raised on every rank; partial: ours, from the strictness hook
             msg = str(e)
             assert key in msg and "(4, 4)" in msg and "(6, 4)" in msg, msg

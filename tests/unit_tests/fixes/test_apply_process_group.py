@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from tests.functional_tests.launch import REPO
 from tests.helpers.dist import free_port
+from tests.helpers.launch import REPO
 
 pytestmark = pytest.mark.slow  # torchrun with 2 ranks: not in the quick lane
 

@@ -20,6 +20,7 @@ from megatron.fixes import FixStatus
 from megatron.fixes.async_reset import FIX, drop_results_queues
 from tests.helpers.dist import run_distributed
 from tests.unit_tests.fixes.async_reset_bodies import save_abort_save_load
+from tests.unit_tests.fixes.probe_copies import trivial_wrapper
 
 
 def _results(tmp_path, fixed: bool) -> list[dict]:
@@ -114,3 +115,33 @@ def test_drop_results_queues_unsets_every_module_queue(monkeypatch):
     assert drop_results_queues() == 2 and len(shut) == 2
     assert all(m._results_queue is None for m in modules)
     assert drop_results_queues() == 0
+
+
+def test_detection_is_not_fooled_by_a_wrapped_upstream(monkeypatch, unfixed):
+    """A trivial wrapper over upstream's reset (other text, same behaviour) still shows the
+    defect; the probe leaves the queues and the module's collaborators as they were."""
+    from megatron.training import async_utils
+
+    before = (async_utils._async_calls_queue, async_utils.get_args, async_utils.get_async_strategy)
+    monkeypatch.setattr(
+        async_utils,
+        "reset_persistent_async_worker",
+        trivial_wrapper(async_utils.reset_persistent_async_worker),
+    )
+    assert FIX.upstream_behaves() is False
+    after = (async_utils._async_calls_queue, async_utils.get_args, async_utils.get_async_strategy)
+    assert after == before
+
+
+def test_declared_patches_alias_the_in_process_restart_name(unfixed):
+    from megatron.training import async_utils, inprocess_restart
+
+    assert FIX.apply() is FixStatus.ACTIVE
+    assert inprocess_restart.reset_persistent_async_worker is (
+        async_utils.reset_persistent_async_worker
+    )
+    assert [s.target.rsplit(".", 1)[1] for s in FIX.specs()] == [
+        "reset_persistent_async_worker",
+        "_get_async_calls_queue",
+        "reset_persistent_async_worker",
+    ]

@@ -17,6 +17,12 @@ from megatron.fixes.distopt_bucket_offsets import (
     upstream_fully_reshardable,
     upstream_saves_every_bucket_right,
 )
+from tests.unit_tests.fixes.probe_copies import rewritten_copy, trivial_wrapper
+
+_ON_MAIN_UPSTREAM_BEHAVES = pytest.mark.fixed_upstream(
+    "megatron-core==0.20.0",
+    "Megatron-LM PR 5077 is on upstream main: upstream saves every bucket right (stands aside)",
+)
 
 
 @pytest.fixture
@@ -34,6 +40,7 @@ def _save(case, fn=None):
     return fn(case.optimizer, case.model_sharded_state_dict, is_loading=False, metadata={})
 
 
+@_ON_MAIN_UPSTREAM_BEHAVES
 def test_guard_unfixed_upstream_saves_bucket_1_shifted(caplog):
     megatron.fixes.reset()
     assert not upstream_saves_every_bucket_right()
@@ -48,6 +55,7 @@ def test_guard_unfixed_upstream_saves_bucket_1_shifted(caplog):
     assert "'p2' param range exceeds unpadded buffer by 4 elements" in caplog.text
 
 
+@_ON_MAIN_UPSTREAM_BEHAVES
 def test_fixed_save_gives_every_parameter_its_own_values(fixed, caplog):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
 
@@ -78,6 +86,7 @@ def test_fixed_save_gives_every_parameter_its_own_values(fixed, caplog):
     assert case.optimizer.get_parameter_state_dp_zero is gather  # the stand-in's own, put back
 
 
+@_ON_MAIN_UPSTREAM_BEHAVES
 def test_fixed_save_leaves_no_shadow_on_a_real_optimizer_class_instance(fixed):
     """On an object whose get_parameter_state_dp_zero is a method (a DistributedOptimizer's), the
     instance attribute is deleted after the call, also when upstream raises."""
@@ -106,6 +115,7 @@ def test_fixed_save_leaves_no_shadow_on_a_real_optimizer_class_instance(fixed):
     assert "get_parameter_state_dp_zero" not in vars(opt)
 
 
+@_ON_MAIN_UPSTREAM_BEHAVES
 def test_load_templates_are_upstreams(fixed):
     """is_loading: the templates (empty data, padded offsets, zero-filled past the end as
     upstream does) are exactly upstream's; nothing is re-padded."""
@@ -140,6 +150,7 @@ def test_load_templates_are_upstreams(fixed):
     )
 
 
+@_ON_MAIN_UPSTREAM_BEHAVES
 def test_fixed_save_loads_back_to_every_parameters_own_state(fixed):
     """Round trip through upstream's load_parameter_state_from_fully_reshardable (unpatched):
     the model-shaped tensors of a fixed save land, flattened, on each parameter's own state."""
@@ -171,3 +182,23 @@ def test_pad_world_tensors_layout_and_refusal():
     assert pad_world_tensors({}, buckets) == {}
     with pytest.raises(RuntimeError, match="upstream's layout changed"):
         pad_world_tensors({"param": torch.zeros(20)}, buckets)
+
+
+def test_probe_verdict_survives_a_rewritten_or_wrapped_upstream(monkeypatch):
+    """The probe's verdict on upstream's own function (the defect on the pinned release) is the
+    same for a copy with other names and text, and for a trivial wrapper over it."""
+    import importlib.metadata
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
+
+    from megatron.overlay import pins
+
+    megatron.fixes.reset()
+    verdict = upstream_saves_every_bucket_right()
+    if importlib.metadata.version("megatron-core") == pins.RELEASES["megatron-core"]:
+        assert verdict is False
+    upstream = upstream_fully_reshardable()
+    copy = rewritten_copy(upstream, {"world_tensors": "gathered", "state_ten": "values"})
+    assert upstream_saves_every_bucket_right(copy) is verdict
+    monkeypatch.setattr(D, "sharded_param_state_fully_reshardable", trivial_wrapper(upstream))
+    assert FIX.upstream_behaves() is verdict

@@ -14,10 +14,14 @@ import torch
 import megatron.fixes
 from megatron.fixes.distopt_reshard import (
     FIX,
+    STALE_FLAG,
     UPSTREAM_ADVICE,
+    refusal_helps,
     reshard_advice,
     upstream_copy_needs_step,
+    upstream_refusal,
 )
+from tests.unit_tests.fixes.probe_copies import rewritten_copy, trivial_wrapper
 
 #: Upstream's refusal, as load_checkpoint builds it for a TP 2 checkpoint loaded at TP 1.
 UPSTREAM_REFUSAL = (
@@ -165,3 +169,51 @@ def test_installed_load_checkpoint_rewrites_only_the_refusal(monkeypatch):
     finally:
         FIX.reset()
     assert checkpointing.load_checkpoint is stub and training.load_checkpoint is stub
+
+
+# --- the behavioural probe -----------------------------------------------------------------------
+
+
+def test_probe_observes_the_refusal_and_leaves_nothing_behind():
+    from megatron.training import checkpointing
+
+    megatron.fixes.reset()
+    before = {
+        n: vars(checkpointing)[n] for n in ("get_args", "print_rank_0", "_load_base_checkpoint")
+    }
+    refusal = upstream_refusal()
+    assert refusal == UPSTREAM_REFUSAL
+    assert STALE_FLAG in refusal and not refusal_helps(refusal)
+    assert FIX.upstream_behaves() is False
+    assert {n: vars(checkpointing)[n] for n in before} == before
+
+
+def test_probe_is_not_fooled_by_rewritten_or_wrapped_upstream(monkeypatch):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
+    from megatron.training import checkpointing
+
+    megatron.fixes.reset()
+    copy = rewritten_copy(
+        checkpointing.load_checkpoint,
+        {"mismatch_msg": "what_differs", "ckpt_tp_pp": "saved_tp_pp", "run_tp_pp": "this_tp_pp"},
+    )
+    assert not refusal_helps(upstream_refusal(copy))
+    setter = rewritten_copy(D._set_main_param_and_optimizer_states, {"dst_tensors": "targets"})
+    assert upstream_copy_needs_step(setter)
+    monkeypatch.setattr(checkpointing, "load_checkpoint", trivial_wrapper(copy))
+    monkeypatch.setattr(D, "_set_main_param_and_optimizer_states", trivial_wrapper(setter))
+    assert FIX.upstream_behaves() is False
+
+
+def test_probe_sees_the_fixed_functions_behave():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
+    from megatron.training import checkpointing
+
+    megatron.fixes.reset()
+    assert FIX.apply().value == "active"
+    try:
+        assert refusal_helps(upstream_refusal(checkpointing.load_checkpoint))
+        assert not upstream_copy_needs_step(D._set_main_param_and_optimizer_states)
+        assert FIX.upstream_behaves() is False  # upstream's own, under the fix's wrappers
+    finally:
+        FIX.reset()

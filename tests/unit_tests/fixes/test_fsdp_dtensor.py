@@ -63,7 +63,7 @@ def test_find_model_layout_fused_mla_and_mtp():
 
 def test_map_key_fused_weight_layernorm_and_mtp():
     layout = fx.find_model_layout(_model())
-    m = lambda k, c=fx.NEW_LAYOUT: fx.map_key(k, layout, c)  # noqa: E731
+    m = lambda k, c=fx.NEW_LAYOUT: fx.map_key(k, layout, c)
     assert m(f"module.{ATTN}.linear_qkv_down_proj.weight") == [
         (f"module.{ATTN}.linear_q_down_proj.weight", "q"),
         (f"module.{ATTN}.linear_kv_down_proj.weight", "kv"),
@@ -345,3 +345,281 @@ def test_prepared_state_dict_copies_are_plain():
     d = fx.PreparedStateDict({"a": 1})
     d.fsdp_fix = object()
     assert type(copy.deepcopy(d)) is dict and type(pickle.loads(pickle.dumps(d))) is dict
+
+
+# ---- behavioural probes: each part its own verdict ----------------------------------------------
+
+
+def _probes():
+    from megatron.fixes.fsdp_dtensor import empty_shards, layout, legacy_planner, strictness
+
+    return {
+        "layout": layout.upstream_round_trips_layout,
+        "legacy_planner": legacy_planner.upstream_loads_legacy_layout,
+        "strictness": strictness.upstream_validates_partial_loads,
+        "empty_shards": empty_shards.upstream_keeps_empty_shard_state,
+    }
+
+
+def _verdicts():
+    return {name: probe() for name, probe in _probes().items()}
+
+
+def _live_state():
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        ParamAndGradBuffer,
+    )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.training import checkpointing
+
+    names = (
+        "preprocess_fsdp_dtensor_state_dict",
+        "default_planner",
+        "print_diff_in_state_dicts",
+        "validate_fsdp_dtensor_model_load",
+        "handle_mla_down_proj_in_state_dict",
+        "handle_mtp_in_state_dict",
+    )
+    state = {n: getattr(checkpointing, n, None) for n in names}
+    state.update({f"dist.{n}": getattr(dist, n) for n in ("is_initialized", "all_gather_object")})
+    state["packer"] = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+    state["update_main_grads"] = ParamAndGradBuffer.update_main_grads
+    try:
+        from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
+
+        state["make_fsdp_dtensor"] = getattr(fdc, "make_fsdp_dtensor", None)
+    except ImportError:
+        pass
+    return state
+
+
+def test_every_probe_shows_the_defect_and_leaves_no_state():
+    """0.19.2 has every defect; upstream main (Megatron-LM PR 6271) too: its fused MLA split
+    raises without a Float16Module, its planner cannot load the legacy layout, its partial-load
+    check raises on the failing rank only, and empty shards still get no state."""
+    before = _live_state()
+    assert _verdicts() == {
+        "layout": False,
+        "legacy_planner": False,
+        "strictness": False,
+        "empty_shards": False,
+    }
+    assert _live_state() == before
+
+
+def test_probes_see_through_the_fix_once_applied():
+    fix = fx.FsdpDTensorFix()
+    try:
+        assert fix.apply().value == "active"
+        assert not any(_verdicts().values())
+    finally:
+        fix.reset()
+
+
+def test_probes_not_fooled_by_reformatted_upstream(monkeypatch):
+    """Upstream's functions replaced by trivial wrappers (other source, same behaviour): every
+    probe still shows the defect."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        ParamAndGradBuffer,
+    )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.training import checkpointing
+
+    def rewrapped(fn):
+        def renamed_copy(*positional, **named):
+            result = fn(*positional, **named)
+            return result
+
+        return renamed_copy
+
+    for name in (
+        "preprocess_fsdp_dtensor_state_dict",
+        "print_diff_in_state_dicts",
+        "validate_fsdp_dtensor_model_load",
+        "handle_mla_down_proj_in_state_dict",
+        "handle_mtp_in_state_dict",
+    ):
+        if hasattr(checkpointing, name):
+            monkeypatch.setattr(checkpointing, name, rewrapped(getattr(checkpointing, name)))
+
+    class ReformattedPlanner(checkpointing.default_planner.DefaultLoadPlanner):
+        pass
+
+    monkeypatch.setattr(
+        checkpointing,
+        "default_planner",
+        types.SimpleNamespace(DefaultLoadPlanner=ReformattedPlanner),
+    )
+    for cls, name in (
+        (DistributedOptimizer, "sharded_param_state_fsdp_dtensor"),
+        (DistributedOptimizer, "_init_optimizer_states_with_dummy_values"),
+        (ParamAndGradBuffer, "update_main_grads"),
+    ):
+        monkeypatch.setattr(cls, name, rewrapped(getattr(cls, name)))
+    assert not any(_verdicts().values()), _verdicts()
+
+
+def _fixed_preprocess(args, raw_state_dict, model):
+    """A stand-in upstream whose preprocessing does put fused MLA / MTP in the unfused layout."""
+    out = dict(raw_state_dict)
+    msd = {}
+    for key, value in raw_state_dict["model"].items():
+        if key.endswith("linear_qkv_down_proj.weight"):
+            local = value.to_local()
+            head = key[: -len("linear_qkv_down_proj.weight")]
+            msd[head + "linear_q_down_proj.weight"] = local[:2]
+            msd[head + "linear_kv_down_proj.weight"] = local[2:]
+        elif key.endswith("linear_qkv_down_proj.layer_norm_weight"):
+            msd[
+                key.replace("self_attention.linear_qkv_down_proj.layer_norm_", "input_layernorm.")
+            ] = value
+        else:
+            msd[key.replace("mtp_model_layer", "transformer_layer")] = value
+    out["model"] = msd
+    return out
+
+
+def _legacy_planner_cls():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class LegacyAwarePlanner(DefaultLoadPlanner):
+        """A stand-in upstream planner that reads the fused / mtp_model_layer keys of an older
+        checkpoint into the unfused request (the q / kv entries share the fused storage)."""
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            md = metadata.state_dict_metadata
+            model = state_dict["model"]
+            for key in [k for k in model if k.endswith("linear_q_down_proj.weight")]:
+                head = key[: -len("linear_q_down_proj.weight")]
+                fused_key = head + "linear_qkv_down_proj.weight"
+                if f"model.{key}" not in md and f"model.{fused_key}" in md:
+                    q = model.pop(key)
+                    kv = model.pop(head + "linear_kv_down_proj.weight")
+                    rows = q.shape[0] + kv.shape[0]
+                    model[fused_key] = torch.empty(0).set_(
+                        q.untyped_storage(), q.storage_offset(), (rows, *q.shape[1:])
+                    )
+            for key in [k for k in model if ".transformer_layer." in k]:
+                old = key.replace(".transformer_layer.", ".mtp_model_layer.")
+                if f"model.{key}" not in md and f"model.{old}" in md:
+                    model[old] = model.pop(key)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    return LegacyAwarePlanner
+
+
+def test_layout_and_legacy_planner_probes_are_independent(monkeypatch):
+    """An upstream that fixed the layout but not legacy loads (and the converse): each part's
+    probe gives its own verdict."""
+    from megatron.training import checkpointing
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpointing, "preprocess_fsdp_dtensor_state_dict", _fixed_preprocess)
+        v = _verdicts()
+        assert v["layout"] is True and v["legacy_planner"] is False, v
+        assert (
+            fx.MlaMtpLayoutFix().decide()[0].value,
+            fx.LegacyPlannerFix().decide()[0].value,
+        ) == (
+            "stands aside: upstream already behaves",
+            "active",
+        )
+    with monkeypatch.context() as m:
+        m.setattr(
+            checkpointing,
+            "default_planner",
+            types.SimpleNamespace(DefaultLoadPlanner=_legacy_planner_cls()),
+        )
+        v = _verdicts()
+        assert v["layout"] is False and v["legacy_planner"] is True, v
+
+
+def test_layout_probe_needs_both_precisions(monkeypatch):
+    """Upstream main's split works under a Float16Module (bf16) but raises without one (fp32):
+    a stand-in upstream that only handles the bf16 tree is still a defect."""
+    from megatron.training import checkpointing
+
+    def bf16_only(args, raw_state_dict, model):
+        model.get_submodule("module.module")  # no Float16Module: AttributeError, like main
+        return _fixed_preprocess(args, raw_state_dict, model)
+
+    monkeypatch.setattr(checkpointing, "preprocess_fsdp_dtensor_state_dict", bf16_only)
+    from megatron.fixes.fsdp_dtensor import layout
+
+    assert layout.upstream_round_trips_layout() is False
+
+
+def test_strictness_probe_wants_every_rank_to_agree(monkeypatch):
+    """An upstream check that raises on the failing rank only is a defect; one that agrees over
+    the ranks first (this fix's backport) behaves."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.training import checkpointing
+
+    from megatron.fixes.fsdp_dtensor import strictness
+
+    def raises_here_only(md, sd, path, strict="assume_ok_unexpected"):
+        if fx.unexpected_model_keys(sd, md):
+            raise CheckpointingException("missing")
+        return set()
+
+    def agrees(md, sd, path, strict="assume_ok_unexpected"):
+        return fx.validate_fsdp_dtensor_model_load(md, sd, path, strict)
+
+    monkeypatch.setattr(
+        checkpointing, "validate_fsdp_dtensor_model_load", raises_here_only, raising=False
+    )
+    assert strictness.upstream_validates_partial_loads() is False
+    monkeypatch.setattr(checkpointing, "validate_fsdp_dtensor_model_load", agrees, raising=False)
+    assert strictness.upstream_validates_partial_loads() is True
+
+
+def test_empty_shards_probe_can_see_a_fixed_upstream(monkeypatch):
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        ParamAndGradBuffer,
+    )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron.fixes.fsdp_dtensor import empty_shards
+
+    def dummy_init_all(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def keeps_grads(self):
+        for _, param in self.optimizer_named_parameters:
+            param.grad = torch.zeros(0)
+
+    monkeypatch.setattr(
+        DistributedOptimizer, "_init_optimizer_states_with_dummy_values", dummy_init_all
+    )
+    assert empty_shards.upstream_keeps_empty_shard_state() is False  # save still drops the grad
+    monkeypatch.setattr(ParamAndGradBuffer, "update_main_grads", keeps_grads)
+    assert empty_shards.upstream_keeps_empty_shard_state() is True
+
+
+def test_layout_defers_upstreams_own_handlers_where_it_has_them():
+    """Upstream main calls its own layout handlers inside preprocess_fsdp_dtensor_state_dict;
+    the active layout part makes them pass-through (it renders the layout itself, in every
+    precision); 0.19.2 has none and gets none added."""
+    from megatron.training import checkpointing
+
+    names = ("handle_mla_down_proj_in_state_dict", "handle_mtp_in_state_dict")
+    had = {n: getattr(checkpointing, n, None) for n in names}
+    part = fx.MlaMtpLayoutFix()
+    try:
+        assert part.apply().value == "active"
+        for n in names:
+            if had[n] is None:
+                assert not hasattr(checkpointing, n)
+            else:
+                deferred = getattr(checkpointing, n)
+                assert deferred is not had[n] and deferred.__wrapped__ is had[n]
+                msd, osd = {"k": 1}, {"state": {}}
+                assert deferred(object(), msd, osd) == (msd, osd)
+    finally:
+        part.reset()
+    assert {n: getattr(checkpointing, n, None) for n in names} == had

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.dist import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers, also in spawned ranks
-import fsdp_scenarios  # noqa: E402
+import fsdp_scenarios
 
 pytestmark = pytest.mark.slow  # several processes: not in the quick lane
 

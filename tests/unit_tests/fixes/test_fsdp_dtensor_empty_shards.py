@@ -12,7 +12,7 @@ import pytest
 from tests.helpers.dist import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers, also in spawned ranks
-import fsdp_empty_shard_bodies as bodies  # noqa: E402
+import fsdp_empty_shard_bodies as bodies
 
 pytestmark = pytest.mark.slow  # several processes: not in the quick lane
 

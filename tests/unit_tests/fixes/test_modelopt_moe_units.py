@@ -250,3 +250,192 @@ def test_modelopt_moe_extra_state_probe_accepts_a_fixed_upstream():
     upstream = opt_plugin._modelopt_get_extra_state
     assert part.probe_upstream_syncs_without_cuda(upstream) is True
     assert part.probe_upstream_syncs_without_cuda(part._wrap_get_extra_state(upstream)) is False
+
+
+# ---- behavioural probes: what they see on the pins, and that rewording upstream cannot fool them -
+
+
+def _reworded_save_checkpoint():
+    """Upstream's ``save_checkpoint``, re-written: its local variables renamed and every string
+    (the local-checkpoint warning included) changed, compiled into a copy of its module's namespace
+    (same behaviour, different source text)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from megatron.training import checkpointing
+
+    upstream = inspect.unwrap(checkpointing.save_checkpoint)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(upstream)))
+    renames = {"state_dict": "sd_renamed", "ckpt_type": "kind_renamed", "args": "cfg_renamed"}
+
+    class Reword(ast.NodeTransformer):
+        def visit_Name(self, node):
+            node.id = renames.get(node.id, node.id)
+            return node
+
+        def visit_Constant(self, node):
+            if isinstance(node.value, str) and "nvidia_modelopt" in node.value:
+                node.value = "ModelOpt state is left out of this save."
+            return node
+
+    tree = ast.fix_missing_locations(Reword().visit(tree))
+    namespace = dict(vars(checkpointing))
+    exec(compile(tree, "<reworded save_checkpoint>", "exec"), namespace)
+    reworded = namespace["save_checkpoint"]
+    assert inspect.getsource(upstream) != ast.unparse(tree)
+    return reworded
+
+
+def test_modelopt_state_probe_sees_the_defect_on_the_pins():
+    """Upstream's own save_checkpoint, run for a stand-in model: a persistent save stores no
+    ModelOpt state (the flag is False: no megatron.post_training), a local save none even with
+    the flag on; with the flag on, a persistent save stores it (the probe sees the flag act)."""
+    import inspect
+
+    from megatron.training import checkpointing
+
+    save = inspect.unwrap(checkpointing.save_checkpoint)
+    generate = inspect.unwrap(checkpointing.generate_state_dict)
+    probe = modelopt_state.probe_upstream_saves_modelopt_state
+    assert checkpointing.has_nvidia_modelopt is False
+    assert probe(save, generate, False, local=False) is False
+    assert probe(save, generate, True, local=False) is True
+    assert probe(save, generate, True, local=True) is False
+    assert modelopt_state.FIX.upstream_behaves() is False
+
+
+def test_modelopt_state_probe_is_not_fooled_by_reworded_source(monkeypatch):
+    """The old probe looked for upstream's warning text in its source; the behavioural one still
+    sees the defect in a copy with renamed variables and another warning, and through a
+    ``functools.wraps`` wrapper."""
+    import functools
+
+    from megatron.training import checkpointing
+
+    reworded = _reworded_save_checkpoint()
+    monkeypatch.setattr(checkpointing, "save_checkpoint", reworded)
+    assert modelopt_state.FIX.upstream_behaves() is False
+
+    @functools.wraps(reworded)
+    def wrapper(*args, **kwargs):
+        return reworded(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", wrapper)
+    assert modelopt_state.FIX.upstream_behaves() is False
+
+
+def test_modelopt_state_probe_accepts_a_behaving_upstream():
+    """A save_checkpoint that stores the ModelOpt state in persistent and local saves (the
+    behaviour the fix gives) makes the probe report True: the fix would stand aside."""
+    import inspect
+
+    from megatron.training import checkpointing
+
+    def behaving_save_checkpoint(
+        iteration,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        flops,
+        checkpointing_context=None,
+        non_persistent_ckpt=False,
+        **kwargs,
+    ):
+        args = get_args()  # noqa: F821 - resolved in the probe's namespace
+        state_dict = generate_state_dict(  # noqa: F821
+            args, model, optimizer, opt_param_scheduler, None, model_sd_kwargs={"metadata": {}}
+        )
+        save_modelopt_state(model, state_dict)  # noqa: F821
+        if non_persistent_ckpt:
+            checkpointing_context["local_checkpoint_manager"].save(state_dict, iteration)
+        else:
+            torch.save(state_dict, "unused")
+
+    generate = inspect.unwrap(checkpointing.generate_state_dict)
+    probe = modelopt_state.probe_upstream_saves_modelopt_state
+    assert probe(behaving_save_checkpoint, generate, False, local=False) is True
+    assert probe(behaving_save_checkpoint, generate, False, local=True) is True
+
+
+def test_modelopt_state_probe_sees_upstream_after_apply(fix):
+    """Installed, the fix sets has_nvidia_modelopt; the probe still judges upstream's own flag and
+    functions, and leaves no state behind."""
+    from megatron.training import checkpointing
+
+    assert fix.apply().value == "active"
+    assert checkpointing.has_nvidia_modelopt is True
+    assert modelopt_state.FIX.upstream_behaves() is False
+    fix.reset()
+    assert checkpointing.has_nvidia_modelopt is False
+    assert not hasattr(checkpointing, "print_distributed_quant_summary")
+
+
+def test_expert_sharding_probe_is_not_fooled_by_a_wrapper(monkeypatch):
+    """A plain wrapper around upstream's method (other source, no ``__wrapped__``) behaves the
+    same, and the probe still sees the dense-TP replica id."""
+    plugin = _plugin()
+    upstream = plugin._MegatronParallelLinear.sharded_state_dict
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return upstream(self, prefix, sharded_offsets, metadata)
+
+    monkeypatch.setattr(plugin._MegatronParallelLinear, "sharded_state_dict", sharded_state_dict)
+    assert expert_sharding.FIX.upstream_behaves() is False
+    assert not torch.distributed.is_initialized()
+
+
+def test_legacy_layout_probe_is_not_fooled_by_a_wrapper(monkeypatch):
+    import megatron.core.dist_checkpointing.serialization as ser
+
+    from megatron.fixes.modelopt_moe import legacy_layout
+
+    upstream = ser.load
+
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        return upstream(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    monkeypatch.setattr(ser, "load", load)
+    assert legacy_layout.FIX.upstream_behaves() is False
+    assert not torch.distributed.is_initialized()
+
+
+def test_extra_state_probe_is_not_fooled_by_a_wrapper(monkeypatch):
+    """Upstream's function behind a plain wrapper (other code, other globals) still calls
+    ``torch.cuda.synchronize()`` without CUDA, and the probe sees it; torch.cuda is put back."""
+    from modelopt.torch.opt.plugins import megatron as opt_plugin
+
+    from megatron.fixes.modelopt_moe import extra_state_cuda_sync as part
+
+    upstream = opt_plugin._modelopt_get_extra_state
+    sync, available = torch.cuda.synchronize, torch.cuda.is_available
+
+    def _modelopt_get_extra_state(self):
+        return upstream(self)
+
+    monkeypatch.setattr(opt_plugin, "_modelopt_get_extra_state", _modelopt_get_extra_state)
+    assert part.probe_upstream_syncs_without_cuda(_modelopt_get_extra_state) is True
+    assert part.FIX.upstream_behaves() is False
+    assert (torch.cuda.synchronize, torch.cuda.is_available) == (sync, available)
+
+
+def test_modelopt_state_leaves_a_working_modelopt_guard_alone(monkeypatch):
+    """Where upstream's ModelOpt guard succeeded (``has_nvidia_modelopt`` True, as with
+    megatron.post_training installed), persistent saves already store the state: the probe still
+    sees the local defect, and only the local patches are installed."""
+    from megatron.training import checkpointing
+
+    part = modelopt_state.FIX
+    part.reset()
+    monkeypatch.setattr(checkpointing, "has_nvidia_modelopt", True)
+    try:
+        assert part.upstream_behaves() is False
+        assert part.apply().value == "active"
+        assert [r.target for r in part.records()] == [
+            "megatron.training.checkpointing.save_checkpoint",
+            "megatron.training.training.save_checkpoint",
+            "megatron.training.checkpointing.generate_state_dict",
+            "megatron.training.checkpointing._load_base_checkpoint",
+        ]
+    finally:
+        part.reset()

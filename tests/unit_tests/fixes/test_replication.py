@@ -21,8 +21,8 @@ import pytest
 import replication_doubles as D
 import torch
 
-from tests.functional_tests.fault_injection import flip_byte_in_largest_storage
 from tests.helpers.dist import run_distributed
+from tests.helpers.fault_injection import flip_byte_in_largest_storage
 
 pytestmark = pytest.mark.slow  # several processes: not in the quick lane
 
@@ -379,7 +379,7 @@ class _Opaque(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda x: x._inner if isinstance(x, _Opaque) else x  # noqa: E731
+        unwrap = lambda x: x._inner if isinstance(x, _Opaque) else x
         return func(
             *torch.utils._pytree.tree_map(unwrap, args),
             **torch.utils._pytree.tree_map(unwrap, kwargs or {}),

@@ -273,3 +273,24 @@ def test_fixed_strategy_validates_its_knobs():
     assert (s.bucket_bytes, s.pipeline_depth, s.target_device) == (1 << 20, 3, "cpu")
     with pytest.raises(ValueError, match="bucket_bytes"):
         R.FixedCliqueReplicationStrategy(GroupWrapper(), bucket_bytes=0)
+
+
+def test_probe_is_not_fooled_by_a_wrapper(clean_fix, monkeypatch):
+    """NVRx's replicate behind a plain wrapper (other source, no ``__wrapped__``) still hands the
+    transport the quantized tensor itself; the behavioural probe still sees the defect."""
+    upstream = R._UPSTREAM_REPLICATE
+
+    def replicate(self, local_ckpt, id_):
+        return upstream(self, local_ckpt, id_)
+
+    monkeypatch.setattr(R, "_UPSTREAM_REPLICATE", replicate)
+    assert clean_fix.upstream_behaves() is False
+
+
+def test_declared_patches_match_the_installed_records(clean_fix):
+    """The fix's patches are declared (listed before install) with the targets and reasons the
+    registry records once it is installed."""
+    declared = [(s.target, s.why) for s in clean_fix.specs()]
+    assert [p.target for p in clean_fix.patches] == [t for t, _ in declared]
+    assert clean_fix.apply() is FixStatus.ACTIVE
+    assert [(s.target, s.why) for s in clean_fix.specs()] == declared

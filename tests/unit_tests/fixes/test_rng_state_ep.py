@@ -8,10 +8,12 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
+from megatron.fixes import rng_state_ep
+from megatron.fixes.rng_state_ep import FIX, upstream_saves_every_ep_rank
 from tests.helpers.dist import run_distributed
-
-pytestmark = pytest.mark.slow
+from tests.unit_tests.fixes.probe_copies import rewritten_copy, trivial_wrapper
 
 EXPERT = "expert-parallel-rng"
 
@@ -108,5 +110,96 @@ def _body(rank, world_size, tmp_path):
         FIX.reset()
 
 
+@pytest.mark.slow
 def test_each_rank_restores_its_own_rng_streams(tmp_path):
     run_distributed(_body, 2, tmp_path)
+
+
+# --- the behavioural probe and the pieces of the replacements (one process, no group) ----------
+
+
+def _collaborators():
+    from megatron.training import checkpointing
+
+    names = ("get_args", "mpu", "get_pg_rank", "get_pg_size")
+    return {n: vars(checkpointing)[n] for n in names}, torch.cuda.get_rng_state
+
+
+def test_probe_sees_the_defect_and_leaves_nothing_behind():
+    import megatron.fixes
+
+    megatron.fixes.reset()
+    before = _collaborators()
+    assert upstream_saves_every_ep_rank() is False
+    assert FIX.upstream_behaves() is False
+    assert _collaborators() == before
+
+
+def test_probe_is_not_fooled_by_a_rewritten_or_wrapped_upstream(monkeypatch):
+    from megatron.training import checkpointing
+
+    import megatron.fixes
+
+    megatron.fixes.reset()
+    upstream = checkpointing.get_rng_state
+    copy = rewritten_copy(upstream, {"rng_state_list": "states", "dp_cp_rank": "replica"})
+    assert upstream_saves_every_ep_rank(copy) is False
+    monkeypatch.setattr(checkpointing, "get_rng_state", trivial_wrapper(upstream))
+    assert FIX.upstream_behaves() is False
+
+
+def test_probe_sees_an_upstream_that_keys_every_rank():
+    """An upstream with the change of Megatron-LM PR 6858's kind (each rank writes its own entry:
+    a data-parallel axis in the key, ``replica_id`` 0) behaves."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.training import checkpointing
+
+    import megatron.fixes
+
+    megatron.fixes.reset()
+    upstream = checkpointing.get_rng_state
+
+    def keyed_per_rank(ckpt_format, tp_group, pp_group, dp_cp_group=None, dp_group=None, **kw):
+        out = upstream(ckpt_format, tp_group, pp_group, dp_cp_group, dp_group, **kw)
+        rank, size = checkpointing.get_pg_rank(dp_cp_group), checkpointing.get_pg_size(dp_cp_group)
+        shape, offset = tuple(out.global_shape) + (size,), tuple(out.global_offset) + (rank,)
+        return ShardedObject(out.key, out.data, shape, offset, replica_id=0)
+
+    assert upstream_saves_every_ep_rank(keyed_per_rank) is True
+
+
+def test_load_mode_follows_the_checkpoint_keys(monkeypatch):
+    entry = types.SimpleNamespace(
+        key="rng_state_per_rank", unique_key="rng_state_per_rank/shard_1_2"
+    )
+    for keys, mode in (
+        ({"rng_state_per_rank/shard_1_2", "rng_state/shard_0.0_1.1"}, "per_rank"),
+        ({"rng_state_per_rank/shard_1_4"}, "other_world"),
+        ({"rng_state/shard_0.0_1.1"}, "old_layout"),
+        (None, "per_rank"),
+    ):
+        monkeypatch.setattr(rng_state_ep, "_checkpoint_object_keys", lambda d, k=keys: k)
+        assert rng_state_ep.rng_load_mode(entry, "ckpt") == mode, keys
+
+
+def test_restore_keeps_own_streams_and_reseeds_other_expert_layouts(monkeypatch):
+    topo = {"world": 2, "rank": 1, "ep": 2, "ep_rank": 1, "etp": 1, "etp_rank": 0}
+    mine = {"model-parallel-rng": "dense-now", EXPERT: "expert-now"}
+    current = [{"rng_tracker_states": mine, "rng_topology": topo}]
+    saved = {"model-parallel-rng": "dense-saved", EXPERT: "expert-saved"}
+    loaded = [{"rng_tracker_states": saved, "rng_topology": dict(topo)}]
+    restored, how = rng_state_ep.restore_rank_states(current, loaded, "per_rank")
+    assert restored == [{"rng_tracker_states": saved}] and how.startswith("its own states")
+    loaded = [{"rng_tracker_states": saved, "rng_topology": dict(topo, ep=1, ep_rank=0)}]
+    restored, how = rng_state_ep.restore_rank_states(current, loaded, "per_rank")
+    assert restored[0]["rng_tracker_states"] == {
+        "model-parallel-rng": "dense-saved",
+        EXPERT: "expert-now",
+    }
+    assert "expert streams reseeded for EP=2" in how
+    monkeypatch.setattr(rng_state_ep, "_dp_cp_rank", lambda: 1)
+    restored, how = rng_state_ep.restore_rank_states(
+        current, [{"rng_tracker_states": saved}], "old_layout"
+    )
+    assert restored[0]["rng_tracker_states"][EXPERT] == "expert-now"
+    assert "written by data-parallel rank 0" in how

@@ -17,7 +17,12 @@ import pytest
 import torch
 
 import megatron.fixes
-from megatron.fixes.training_log import FIX, first_line_is_interval_line
+from megatron.fixes.training_log import (
+    FIX,
+    first_line_is_interval_line,
+    upstream_resets_first_interval_line,
+)
+from tests.unit_tests.fixes.probe_copies import rewritten_copy, trivial_wrapper
 
 
 class _Timer:
@@ -67,6 +72,7 @@ def _args(log_interval: int):
         rl_profile=False,
         rl_use_sequence_packing=False,
         tensorboard_log_interval=1,
+        profile_ranks=[],
     )
 
 
@@ -158,5 +164,48 @@ def test_fixed_line_prints_its_own_iteration(printed):
             [(15, 6.0), (16, 5.0), (17, 4.0), (18, 3.0), (19, 2.0), (20, 1.0)], log_interval=5
         )
         assert got == {15: 6.0, 20: 3.0}
+    finally:
+        FIX.reset()
+
+
+# --- the behavioural probe -----------------------------------------------------------------------
+
+
+def _collaborators():
+    from megatron.training import global_vars, training
+
+    names = ("get_args", "get_timers", "print_rank_last", "one_logger_utils", "get_telemetry")
+    return {n: vars(training).get(n) for n in names}, global_vars.get_args
+
+
+def test_probe_sees_the_defect_and_leaves_nothing_behind():
+    megatron.fixes.reset()
+    before = _collaborators()
+    assert FIX.upstream_behaves() is False
+    assert upstream_resets_first_interval_line() is False
+    assert _collaborators() == before
+
+
+def test_probe_is_not_fooled_by_a_rewritten_or_wrapped_upstream(monkeypatch):
+    from megatron.training import training
+
+    megatron.fixes.reset()
+    upstream = training.training_log
+    copy = rewritten_copy(
+        upstream, {"should_reset": "reset_after_line", "advanced_iters_key": "advanced_key"}
+    )
+    assert upstream_resets_first_interval_line(copy) is False
+    monkeypatch.setattr(training, "training_log", trivial_wrapper(upstream))
+    assert FIX.upstream_behaves() is False
+
+
+def test_probe_sees_the_fixed_function_behave():
+    from megatron.training import training
+
+    megatron.fixes.reset()
+    assert FIX.apply().value == "active"
+    try:
+        assert upstream_resets_first_interval_line(training.training_log) is True
+        assert FIX.upstream_behaves() is False  # upstream's own, under the fix's wrapper
     finally:
         FIX.reset()

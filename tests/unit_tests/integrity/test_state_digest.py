@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron.integrity import state_digest as sd
-from megatron.integrity.device_hash import K_POS, _mix_int
+from megatron.integrity.device_hash import K_POS, mix_int
 from megatron.training_ext.resume_proof import compare
 
 _MASK = (1 << 64) - 1
@@ -20,7 +20,7 @@ def reference(t: torch.Tensor) -> int:
     bits = sd._bits(t.reshape(-1).contiguous()).tolist()
     s = 0
     for g, v in enumerate(bits):
-        s = (s + _mix_int((v & _MASK) + (g + 1) * K_POS)) & _MASK
+        s = (s + mix_int((v & _MASK) + (g + 1) * K_POS)) & _MASK
     return sd.finish([s], t.numel())
 
 

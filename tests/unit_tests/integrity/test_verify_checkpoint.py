@@ -18,9 +18,9 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron.integrity.persistent import CheckpointInputError, PersistentCheckpoint
-from megatron.integrity.verify import IterationMismatchError, verify_checkpoint
-from tests.functional_tests.launch import both_tiers_at, run_pretrain
+from megatron.verify import IterationMismatchError, verify_checkpoint
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import both_tiers_at, run_pretrain
 from tools.verify_checkpoint import main as cli_main
 
 pytestmark = pytest.mark.slow
@@ -428,7 +428,7 @@ def test_iteration_mismatch_and_missing_dirs(ckpt, tmp_path, capsys):
 def _dist_body(rank, world, local_dir, persistent, truncated, out_dir):
     import torch.distributed as dist
 
-    from megatron.integrity.verify import verify_checkpoint as vc
+    from megatron.verify import verify_checkpoint as vc
 
     a = vc(local_dir, persistent, group=dist.group.WORLD)
     b = vc(None, truncated, group=dist.group.WORLD)

@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensor
 
 from megatron.integrity import checksums as ck
 from megatron.integrity.local_identity import IDENTITY_ATTR, make_identity
-from megatron.integrity.verify import verify_checkpoint
+from megatron.verify import verify_checkpoint
 from tests.helpers.dist import run_distributed
 from tools.verify_checkpoint import main as cli_main
 

@@ -13,23 +13,16 @@ import pytest
 import torch
 
 from megatron.integrity import checksums as ck
-from megatron.integrity._readahead import ReadAhead
 from megatron.integrity.persistent import (
     CheckpointInputError,
     check_chunk_cover,
     resolve_persistent_dir,
 )
-from megatron.integrity.report import Problem, VerifyReport, format_table, normalize_key
-from megatron.integrity.verify import (
-    _assign,
-    _local_units,
-    bytes_equal,
-    count_nonfinite,
-    deep_difference,
-    discover_local,
-    fused_scan,
-    verify_checkpoint,
-)
+from megatron.integrity.readahead import ReadAhead
+from megatron.integrity.tensor_ops import bytes_equal, count_nonfinite, deep_difference, fused_scan
+from megatron.verify import discover_local, verify_checkpoint
+from megatron.verify.report import Problem, VerifyReport, format_table, normalize_key
+from megatron.verify.schedule import assign, local_units
 
 
 def test_normalize_key_replaces_numeric_segments_only():
@@ -129,18 +122,18 @@ def test_assign_groups_owners_and_respects_visibility():
         ("0/iter_0000010_1_local.pt", 1, 100),
         ("1/iter_0000010_1_local.pt", 1, 100),
     ]
-    out = _local_units([files, files], 2)
+    out = local_units([files, files], 2)
     assert sorted(map(sorted, out.values())) == [
         ["0/iter_0000010_0_local.pt", "1/iter_0000010_0_local.pt"],
         ["0/iter_0000010_1_local.pt", "1/iter_0000010_1_local.pt"],
     ]
     # node-local storage: rank r sees only directory r -> it checks exactly those files
     vis = [[f for f in files if f[0].startswith("0/")], [f for f in files if f[0].startswith("1/")]]
-    out = _local_units(vis, 2)
+    out = local_units(vis, 2)
     assert sorted(out[0]) == ["0/iter_0000010_0_local.pt", "0/iter_0000010_1_local.pt"]
     assert sorted(out[1]) == ["1/iter_0000010_0_local.pt", "1/iter_0000010_1_local.pt"]
     # greedy balance by bytes
-    out = _assign([("a", 10, {0, 1}), ("b", 6, {0, 1}), ("c", 5, {0, 1})], 2)
+    out = assign([("a", 10, {0, 1}), ("b", 6, {0, 1}), ("c", 5, {0, 1})], 2)
     assert out == {0: ["a"], 1: ["b", "c"]}
 
 

@@ -1,6 +1,6 @@
-"""The local tier's load verification (``local_tier._verify``) reads both checksum record versions:
-xxh3_64 (version 1, every file written before device checksums) and pmix64 (version 2, written by
-replication over NCCL), and names a flipped byte in either."""
+"""The local tier's load verification (``local_tier.verify_state_dict``) reads both checksum
+record versions: xxh3_64 (version 1, every file written before device checksums) and pmix64
+(version 2, written by replication over NCCL), and names a flipped byte in either."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def test_load_verification_reads_both_record_versions(algorithm):
             algorithm,
         ),
     )
-    errors, summary = local_tier._verify(sd, "own primary", check_checksums=True)
+    errors, summary = local_tier.verify_state_dict(sd, "own primary", check_checksums=True)
     assert (errors, summary) == ([], "2 checksums")
     tensors[0].view(-1).view(torch.uint8)[100] ^= 0x01
-    errors, _ = local_tier._verify(sd, "own primary", check_checksums=True)
+    errors, _ = local_tier.verify_state_dict(sd, "own primary", check_checksums=True)
     assert len(errors) == 1 and "ChecksumMismatchError: own primary: 'tensor[0]'" in errors[0], (
         errors
     )

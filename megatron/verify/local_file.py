@@ -1,7 +1,7 @@
 """One local checkpoint file through the verifier: :func:`open_local` loads it (memory-mapped,
 ``torch.load(weights_only=False)`` as training does) and reads its records (identity, iteration,
 checksum record); :func:`plan_readahead` queues its byte ranges; :func:`check_opened` runs every
-check on it, batch by batch. Problems go to a :class:`~megatron.integrity.verify.findings.Findings`.
+check on it, batch by batch. Problems go to a :class:`~megatron.verify.findings.Findings`.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import (  # noqa: 
 )
 
 from megatron.integrity import checksums as ck
-from megatron.integrity._readahead import ReadAhead
 from megatron.integrity.local_identity import get_identity
 from megatron.integrity.persistent import PersistentCheckpoint
-from megatron.integrity.report import FileResult, Problem
+from megatron.integrity.readahead import ReadAhead
 from megatron.integrity.torch_save import tensor_file_ranges
-from megatron.integrity.verify.discovery import LocalFile, where
-from megatron.integrity.verify.findings import CopyPrint, Findings
-from megatron.integrity.verify.options import VerifyOptions
-from megatron.integrity.verify.tensor_checks import check_objects, check_tensor
+from megatron.verify.discovery import LocalFile, where
+from megatron.verify.findings import CopyPrint, Findings
+from megatron.verify.options import VerifyOptions
+from megatron.verify.report import FileResult, Problem
+from megatron.verify.tensor_checks import check_objects, check_tensor
 
 __all__ = ["OpenedLocal", "check_opened", "open_local", "plan_readahead", "region_of"]
 
@@ -38,7 +38,7 @@ class OpenedLocal:
     """A local file loaded (memory-mapped) and, once planned, its read-ahead tickets.
 
     Attributes:
-        base: the :class:`~megatron.integrity.report.Problem` fields naming the file.
+        base: the :class:`~megatron.verify.report.Problem` fields naming the file.
         items: ``(key, tensor, ShardedTensor or None)`` per tensor, in file order.
         objs: its ``ShardedObject`` s.
         entries: its checksum record's entries (``None``: no record).

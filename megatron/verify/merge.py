@@ -1,6 +1,6 @@
 """The report from every rank's findings (:func:`merge`): the same on every rank, since only
 gathered data is used. Adds the persistent metadata checks, the manifest verdict, the local-copy
-verdicts (:mod:`~megatron.integrity.verify.copies`), the coverage of the persistent tensors by
+verdicts (:mod:`~megatron.verify.copies`), the coverage of the persistent tensors by
 the local files, leftover warnings, and a suspect for each value mismatch."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.integrity.persistent import INTEGRITY_FNAME, PersistentCheckpoint, check_chunk_cover
-from megatron.integrity.report import Problem, VerifyReport
-from megatron.integrity.verify.copies import local_iterations
-from megatron.integrity.verify.discovery import LocalLayout, Plan, holder_of
-from megatron.integrity.verify.findings import CopyPrint, Findings
+from megatron.verify.copies import local_iterations
+from megatron.verify.discovery import LocalLayout, Plan, holder_of
+from megatron.verify.findings import CopyPrint, Findings
+from megatron.verify.persistent_checks import metadata_problems
+from megatron.verify.report import Problem, VerifyReport
 
 __all__ = ["merge"]
 
@@ -203,7 +204,7 @@ def merge(parts: List[Findings], plan: Plan, verify_manifest: bool) -> VerifyRep
     if layout is not None:
         _leftover_warnings(report, layout)
     if pc is not None:
-        report.problems += pc.check_metadata()
+        report.problems += metadata_problems(pc)
         report.state_digest = _state_digest(report, pc)
         if verify_manifest:
             _manifest_verdict(report, parts, pc, plan.manifest)

@@ -1,7 +1,8 @@
-"""Checks of the persistent checkpoint's files: every chunk and object of one data file read and
-scanned for NaN/Inf (persistent-only mode), and the integrity manifest (``integrity.json``:
+"""Checks of the persistent checkpoint: its metadata (chunk coverage and storage entries,
+:func:`metadata_problems`), every chunk and object of one data file read and scanned for NaN/Inf
+(persistent-only mode), and the integrity manifest (``integrity.json``:
 this fork's ``xxh3-64-blocks`` or megatron-core's ``sha256``). Problems go to a
-:class:`~megatron.integrity.verify.findings.Findings`."""
+:class:`~megatron.verify.findings.Findings`."""
 
 from __future__ import annotations
 
@@ -10,25 +11,28 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megatron.integrity import checksums as ck
 from megatron.integrity import manifest as _manifest
-from megatron.integrity._readahead import ReadAhead
 from megatron.integrity.persistent import (
     INTEGRITY_FNAME,
     CheckpointInputError,
     PersistentCheckpoint,
+    check_chunk_cover,
 )
-from megatron.integrity.report import FileResult, Problem
-from megatron.integrity.verify.findings import Findings
-from megatron.integrity.verify.options import VerifyOptions
-from megatron.integrity.verify.tensor_ops import count_nonfinite
+from megatron.integrity.readahead import ReadAhead
+from megatron.integrity.tensor_ops import count_nonfinite
+from megatron.verify.findings import Findings
+from megatron.verify.options import VerifyOptions
+from megatron.verify.report import FileResult, Problem
 
 __all__ = [
     "check_manifest_files",
     "check_persistent_file",
     "file_size",
     "manifest_names",
+    "metadata_problems",
     "read_manifest",
 ]
 
@@ -39,6 +43,87 @@ def file_size(p: Path) -> int:
         return p.stat().st_size
     except OSError:
         return 0
+
+
+def metadata_problems(pc: PersistentCheckpoint) -> List[Problem]:
+    """Coverage of every tensor's global shape by its chunks, and storage entries (present,
+    inside an existing file). Reads no tensor data.
+
+    Returns:
+        ``coverage`` and ``storage`` problems (empty when the metadata is consistent).
+    """
+    problems: List[Problem] = []
+    for key in sorted(pc.tensors):
+        md = pc.tensors[key]
+        errs = check_chunk_cover(
+            tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        )
+        for e in errs:
+            problems.append(
+                Problem(
+                    "coverage",
+                    f"persistent tensor '{key}' {list(md.size)}: {e}",
+                    role="persistent",
+                    key=key,
+                    shape=list(md.size),
+                    dtype=str(md.properties.dtype).removeprefix("torch."),
+                )
+            )
+    for key, idx, chunk in pc.chunk_items():
+        problems += _storage_problems(
+            pc, MetadataIndex(key, chunk.offsets, idx), key, list(chunk.offsets)
+        )
+    for key in sorted(pc.objects):
+        problems += _storage_problems(pc, MetadataIndex(key), key, None)
+    return problems
+
+
+def _storage_problems(
+    pc: PersistentCheckpoint, index: MetadataIndex, key: str, offsets
+) -> List[Problem]:
+    info = pc.storage.get(index)
+    where = f"'{key}'" + (f" chunk at {offsets}" if offsets is not None else "")
+    if info is None:
+        return [
+            Problem(
+                "storage",
+                f"persistent {where} has no storage entry in .metadata",
+                role="persistent",
+                key=key,
+                global_offset=offsets,
+            )
+        ]
+    size = pc.data_files.get(info.relative_path, -1)
+    if size < 0:
+        return [
+            Problem(
+                "storage",
+                f"persistent {where}: data file {info.relative_path} is missing",
+                file=info.relative_path,
+                role="persistent",
+                key=key,
+                global_offset=offsets,
+            )
+        ]
+    end = int(info.offset) + int(info.length)
+    if end > size:
+        return [
+            Problem(
+                "storage",
+                f"persistent {where}: bytes {info.offset}..{end} lie beyond the end of "
+                f"{info.relative_path} ({size} bytes): the file is truncated",
+                file=info.relative_path,
+                role="persistent",
+                key=key,
+                global_offset=offsets,
+                details={
+                    "storage_offset": int(info.offset),
+                    "storage_length": int(info.length),
+                    "file_size": size,
+                },
+            )
+        ]
+    return []
 
 
 def check_persistent_file(

@@ -10,6 +10,8 @@ import numpy as np
 
 from megatron.integrity.device_hash import K_POS, M1, M2
 
+__all__ = ["segments_sum"]
+
 _K = np.uint64(K_POS)
 _M1 = np.uint64(M1)
 _M2 = np.uint64(M2)

@@ -1,4 +1,4 @@
-"""Result records of the checkpoint verifier (:mod:`megatron.integrity.verify`): problems, per-file
+"""Result records of the checkpoint verifier (:mod:`megatron.verify`): problems, per-file
 results, the report, its JSON form and its text tables.
 
 Everything in a :class:`VerifyReport` except its ``timing`` section is deterministic: the same
@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from megatron.integrity.text_table import format_table, human_bytes
+from megatron.verify.text_table import format_table, human_bytes
 
 __all__ = [
     "PROBLEM_KINDS",
@@ -265,7 +265,7 @@ class VerifyReport:
             record, :mod:`megatron.integrity.state_digest`): ``{"present": bool, "tensors": int,
             "iteration": int | None}``, ``None`` without a persistent checkpoint. Its values are
             recomputed from the files by ``tools/check_state_digest.py``.
-        timing: ``wall_s`` (seconds inside :func:`~megatron.integrity.verify.verify_checkpoint`,
+        timing: ``wall_s`` (seconds inside :func:`~megatron.verify.verify_checkpoint`,
             without interpreter start-up), ``workers`` (processes), ``bytes_read`` (file bytes the
             checks read, persistent chunks counted once per local copy compared with them),
             ``file_bytes`` (size of the files verified: local files, or the persistent data files

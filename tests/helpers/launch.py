@@ -2,7 +2,7 @@
 
 CPU (``--cpu``, gloo) by default; on a machine with CUDA and ``MEGATRON_TEST_DEVICE=cuda`` the same
 commands run on the GPU(s) without ``--cpu``. Runs that inject faults (``MEGATRON_TEST_*``
-variables, :mod:`tests.functional_tests.fault_injection`) launch ``entry=FAULTS_ENTRY``, the
+variables, :mod:`tests.helpers.fault_injection`) launch ``entry=FAULTS_ENTRY``, the
 test entrypoint that is ``pretrain_gpt.py`` plus the fault hooks.
 
 Two launchers (``launcher=``): ``"forked"`` (:mod:`tests.helpers.fastlaunch`: the ranks are forked
@@ -145,6 +145,20 @@ def run_pretrain(
     if check:
         assert returncode == 0, f"pretrain_gpt.py failed ({returncode}):\n{output[-6000:]}"
     return result
+
+
+def local_tier_args(
+    interval: int = 2, local_dir: str | Path | None = "local", replication: bool = True
+) -> list[str]:
+    """The local-tier flags the functional tests use: local checkpoints every ``interval``
+    iterations (in ``local_dir``, relative to the run's directory, when given), replicated to the
+    next rank (``--replication-jump 1 --replication-factor 2``) when ``replication``."""
+    out = ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", str(interval)]
+    if local_dir is not None:
+        out += ["--non-persistent-local-ckpt-dir", str(local_dir)]
+    if replication:
+        out += ["--replication", "--replication-jump", "1", "--replication-factor", "2"]
+    return out
 
 
 def both_tiers_at(work: Path, iteration: int) -> list[str]:

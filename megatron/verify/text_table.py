@@ -1,5 +1,5 @@
 """Plain-text tables and byte counts for the verifier's and the benchmarks' console output
-(:mod:`megatron.integrity.report`, ``tools/bench_verify.py``): no colour, no terminal width
+(:mod:`megatron.verify.report`, ``tools/bench_verify.py``): no colour, no terminal width
 detection, so that logs of batch jobs read the same as a terminal.
 """
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron.integrity.report import FileResult, Problem
+from megatron.verify.report import FileResult, Problem
 
 __all__ = ["CopyPrint", "Findings", "TensorPrint"]
 

@@ -1,6 +1,6 @@
 """Local-copy verification: per local iteration, does every shard have a copy that verifies
 (complete), do all copies of each shard agree and do all shards come from one save (consistent)?
-Works on gathered data only (:class:`~megatron.integrity.verify.findings.CopyPrint` per file), so
+Works on gathered data only (:class:`~megatron.verify.findings.CopyPrint` per file), so
 every rank reaches the same verdicts. Adds ``copies_differ`` / ``mixed_saves`` /
 ``missing_owner`` / ``missing_copy`` problems and ``incomplete_iteration`` warnings; sets
 ``VerifyReport.local_iterations`` and ``newest_complete_iteration``. Rules: ``docs/verify.md``.
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron.integrity.local_layout import parse_local_name
-from megatron.integrity.report import FileResult, Problem, VerifyReport
-from megatron.integrity.verify.discovery import LocalFile
-from megatron.integrity.verify.findings import CopyPrint
+from megatron.verify.discovery import LocalFile
+from megatron.verify.findings import CopyPrint
+from megatron.verify.report import FileResult, Problem, VerifyReport
 
 __all__ = ["local_iterations"]
 

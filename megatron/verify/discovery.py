@@ -223,7 +223,7 @@ def choose_iteration(
     iteration: Optional[int],
 ) -> Tuple[Optional[int], Optional[Path]]:
     """``(iteration, persistent iteration directory or None)`` to verify (see
-    :func:`megatron.integrity.verify.verify_checkpoint`).
+    :func:`megatron.verify.verify_checkpoint`).
 
     Raises:
         CheckpointInputError: the local checkpoint has no ``iteration``, or
@@ -250,7 +250,7 @@ def choose_iteration(
                 f"local checkpoint in {layout.rank_root} holds iteration(s) {layout.iterations}. "
                 f"Verify against a persistent checkpoint of the same iteration (e.g. "
                 f"{p_dir.parent / f'iter_{layout.iterations[-1]:07d}'}), or save both tiers at one "
-                "iteration (see megatron.integrity.verify docs)"
+                "iteration (see megatron.verify docs)"
             )
         iteration = p_it if p_it is not None else iteration
     if iteration is None and layout is not None and layout.iterations:

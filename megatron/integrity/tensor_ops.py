@@ -1,6 +1,8 @@
-"""Tensor primitives of the verifier: bitwise equality (``memcmp``), NaN/Inf counts, where two
-tensors differ, deep equality of checkpoint objects, and :func:`fused_scan`, the one pass over a
-tensor's bytes (xxh3, ``memcmp``, ``aminmax``) every local tensor gets.
+"""Tensor primitives of the checks on saved state: bitwise equality (``memcmp``), NaN/Inf counts,
+where two tensors differ, deep equality of checkpoint objects, and :func:`fused_scan`, the one pass
+over a tensor's bytes (xxh3, ``memcmp``, ``aminmax``) that every local tensor gets, in the offline
+verifier (:mod:`megatron.verify`) and in the local tier's load-time checks
+(:mod:`megatron.training_ext.local_tier`).
 
 Tensors: plain strided tensors (any device; copied to CPU / made contiguous where needed); no
 quantized subclasses (:func:`megatron.integrity.tensors.is_quantized`).

@@ -1,7 +1,7 @@
 """Checks of one tensor and of the objects of one local file: stored checksum, NaN/Inf, bitwise
 equality with the persistent region (with where and how they differ), and main-replica
 ``ShardedObject`` s against the persistent ones. Findings go to a
-:class:`~megatron.integrity.verify.findings.Findings`; nothing is raised for a bad tensor."""
+:class:`~megatron.verify.findings.Findings`; nothing is raised for a bad tensor."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ import torch
 
 from megatron.integrity import checksums as ck
 from megatron.integrity.persistent import PersistentCheckpoint
-from megatron.integrity.report import Problem
-from megatron.integrity.tensors import is_quantized
-from megatron.integrity.verify.discovery import where
-from megatron.integrity.verify.findings import Findings
-from megatron.integrity.verify.options import VerifyOptions
-from megatron.integrity.verify.tensor_ops import (
+from megatron.integrity.tensor_ops import (
     count_nonfinite,
     deep_difference,
     dense,
     diff_stats,
     fused_scan,
 )
+from megatron.integrity.tensors import is_quantized
+from megatron.verify.discovery import where
+from megatron.verify.findings import Findings
+from megatron.verify.options import VerifyOptions
+from megatron.verify.report import Problem
 
 if TYPE_CHECKING:
-    from megatron.integrity.verify.local_file import OpenedLocal
+    from megatron.verify.local_file import OpenedLocal
 
 __all__ = ["check_objects", "check_tensor"]
 
@@ -219,7 +219,7 @@ def _is_main_replica(replica_id: Any) -> bool:
 
 def check_objects(op: "OpenedLocal", part: Findings, pc: PersistentCheckpoint) -> None:
     """Compare the main-replica ``ShardedObject`` s of an opened local file with the persistent
-    ones (deep equality, :func:`~megatron.integrity.verify.tensor_ops.deep_difference`); the
+    ones (deep equality, :func:`~megatron.integrity.tensor_ops.deep_difference`); the
     others are counted as skipped."""
     lf, res, base = op.lf, op.res, op.base
     wanted = []

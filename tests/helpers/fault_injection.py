@@ -423,7 +423,7 @@ def install_local_save_kill(kill: dict) -> type:
         return iteration == iter_k and _rank() == rank_k
 
     class FaultInjectingLocalCheckpointManager(base):
-        """Test-only (:mod:`tests.functional_tests.fault_injection`): ``SIGKILL`` at a moment of
+        """Test-only (:mod:`tests.helpers.fault_injection`): ``SIGKILL`` at a moment of
         one local save."""
 
         def save(self, state_dict, iteration, *a, **kw):

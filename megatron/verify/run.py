@@ -13,11 +13,10 @@ from typing import Any, Callable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron.overlay import collective
-from megatron.integrity._readahead import ReadAhead
 from megatron.integrity.persistent import CheckpointInputError, PersistentCheckpoint
-from megatron.integrity.report import Problem, VerifyReport
-from megatron.integrity.verify.discovery import (
+from megatron.integrity.readahead import ReadAhead
+from megatron.overlay import collective
+from megatron.verify.discovery import (
     IterationMismatchError,
     LocalFile,
     Plan,
@@ -26,23 +25,24 @@ from megatron.integrity.verify.discovery import (
     require_local_files,
     where,
 )
-from megatron.integrity.verify.findings import Findings
-from megatron.integrity.verify.local_file import (
+from megatron.verify.findings import Findings
+from megatron.verify.local_file import (
     OpenedLocal,
     check_opened,
     open_local,
     plan_readahead,
 )
-from megatron.integrity.verify.merge import merge
-from megatron.integrity.verify.options import VerifyOptions
-from megatron.integrity.verify.persistent_checks import (
+from megatron.verify.merge import merge
+from megatron.verify.options import VerifyOptions
+from megatron.verify.persistent_checks import (
     check_manifest_files,
     check_persistent_file,
     file_size,
     manifest_names,
     read_manifest,
 )
-from megatron.integrity.verify.schedule import assign, local_units
+from megatron.verify.report import Problem, VerifyReport
+from megatron.verify.schedule import assign, local_units
 
 __all__ = ["verify_checkpoint"]
 
@@ -253,7 +253,7 @@ def verify_checkpoint(
             of the group must call this function with the same arguments.
 
     Returns:
-        The :class:`~megatron.integrity.report.VerifyReport` (identical on every rank). With local
+        The :class:`~megatron.verify.report.VerifyReport` (identical on every rank). With local
         files it has ``local_iterations`` and ``newest_complete_iteration``.
 
     Raises:

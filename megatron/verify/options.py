@@ -1,5 +1,5 @@
 """How the checkpoint verifier checks: :class:`VerifyOptions`, the one options object of
-:func:`megatron.integrity.verify.verify_checkpoint`."""
+:func:`megatron.verify.verify_checkpoint`."""
 
 from __future__ import annotations
 
