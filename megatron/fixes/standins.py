@@ -18,6 +18,7 @@ __all__ = [
     "get_rng_state_stand_ins",
     "group",
     "is_upstream",
+    "new_optimizer",
     "parallel_state",
     "pg_rank",
     "pg_size",
