@@ -182,3 +182,39 @@ def test_apply_logs_one_summary_line_on_rank_zero(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="megatron.fixes"):
         fixes._log_summary({f.name: f.status for f in fixes.fixes()})  # nothing new installed
     assert not caplog.records
+
+
+#: The verdict of every fix and part on each proven upstream (python -m megatron.fixes there).
+EXPECTED_ASIDE = {
+    "0.19.2": set(),
+    "0.20.0": {"distopt_bucket_offsets"},  # upstream main, d98e8a6: Megatron-LM PR 5077
+}
+
+
+@pytest.mark.slow
+@pytest.mark.compat  # also in the compatibility lane, on upstream main
+def test_every_probe_gives_its_verdict_on_this_upstream():
+    """In a process where no fix was applied: each fix and part decides as recorded for the
+    installed upstream (active where the probe shows the defect, standing aside where upstream
+    behaves, never refused on a proven upstream)."""
+    import importlib.metadata
+    import json
+
+    script = (
+        "import json, megatron.fixes as f\n"
+        "out = {}\n"
+        "for x in f.fixes():\n"
+        "    for p in (getattr(x, 'parts', ()) or (x,)):\n"
+        "        status, reason = p.decide()\n"
+        "        out[p.name] = [x.name, status.name, reason]\n"
+        "print('VERDICTS', json.dumps(out))\n"
+    )
+    out = run_python(script, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("VERDICTS "))
+    verdicts = json.loads(line[len("VERDICTS ") :])
+    aside = EXPECTED_ASIDE[importlib.metadata.version("megatron-core")]
+    expected = {
+        part: "STANDS_ASIDE" if fix in aside else "ACTIVE" for part, (fix, _, _) in verdicts.items()
+    }
+    assert {part: v[1] for part, v in verdicts.items()} == expected, verdicts
