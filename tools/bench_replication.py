@@ -183,7 +183,7 @@ def _worker(rank, world, port, args, out_q):
 
     total = args.size_mb * 1024 * 1024
     group = dist.new_group(list(range(world)))
-    upstream = R._UpstreamClique(group, target_device="cpu")
+    upstream = R.UpstreamClique(group, target_device="cpu")
     fixed = R.FixedCliqueReplicationStrategy(group, target_device="cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -222,7 +222,7 @@ def _worker(rank, world, port, args, out_q):
         return time.perf_counter() - t0, replicas
 
     def v_upstream(key):
-        return run_replicate(lambda sd: R._UPSTREAM_REPLICATE(upstream, sd, "id"), key)
+        return run_replicate(lambda sd: R.UPSTREAM_REPLICATE(upstream, sd, "id"), key)
 
     def v_fixed(key):
         return run_replicate(lambda sd: R.fixed_replicate(fixed, sd, "id"), key)

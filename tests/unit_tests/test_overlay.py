@@ -241,6 +241,26 @@ def test_no_import_circle_between_packages():
     assert not circles, circles
 
 
+def test_no_private_name_is_imported_across_our_modules():
+    """Our packages use each other through public names (``__all__``, no leading underscore):
+    no ``from megatron.<ours>... import _name`` (upstream's and torch's are not ours)."""
+    found = []
+    for path in (ROOT / "megatron").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("megatron.")
+                and node.module.split(".")[1] in LAYERS
+            ):
+                found += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert not found, found
+
+
 # -- one exception root ---------------------------------------------------------------------------
 def _exception_classes():
     """(module, class name) of every public exception class defined in megatron/."""

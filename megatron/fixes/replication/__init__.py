@@ -29,15 +29,15 @@ from megatron.fixes.replication.plan import (
     DIRECT_CHUNK_BYTES,
     comm_device,
 )
-from megatron.fixes.replication.plan import _interleave as _interleave  # re-exported for tests
-from megatron.fixes.replication.plan import _plan_messages as _plan_messages
-from megatron.fixes.replication.plan import _segments as _segments
+from megatron.fixes.replication.plan import interleave as interleave  # re-exported for tests
+from megatron.fixes.replication.plan import plan_messages as plan_messages
+from megatron.fixes.replication.plan import segments as segments
 from megatron.fixes.replication.replicate import GroupChecksumMismatchError, fixed_replicate
 from megatron.fixes.replication.retrieve import fixed_retrieve_execute
 from megatron.fixes.replication.strategy import (
-    _UPSTREAM_REPLICATE,
+    UPSTREAM_REPLICATE,
     FixedCliqueReplicationStrategy,
-    _UpstreamClique,
+    UpstreamClique,
 )
 from megatron.fixes.replication.transport import ReplicaExchange, checksum_algorithm
 from megatron.integrity.checksums import ChecksumMismatchError
@@ -107,7 +107,7 @@ class ReplicationFix(Fix):
         """True if upstream's own ``replicate`` (captured at import, before any patch) already
         hands the transport dequantized, dense tensors; False if it hands over the quantized or
         non-dense tensors themselves, or fails on them (:mod:`.probe`)."""
-        return probe.upstream_handles_unfaithful_tensors(_UpstreamClique, _UPSTREAM_REPLICATE)
+        return probe.upstream_handles_unfaithful_tensors(UpstreamClique, UPSTREAM_REPLICATE)
 
 
 FIX = ReplicationFix()

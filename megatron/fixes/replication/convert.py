@@ -35,9 +35,9 @@ class UnsupportedTensorError(ValueError, RankFailures):
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-_DTYPES = {ck.dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+DTYPES = {ck.dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 """Record dtype name -> ``torch.dtype`` (every dtype torch defines)."""
-_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+_DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -2,9 +2,9 @@
 
 Every message is a flat ``uint8`` tensor of at most ``bucket_bytes`` (larger only for tensors sent
 from their own memory, in chunks of up to :data:`DIRECT_CHUNK_BYTES`). A receiver keeps each
-owner's replicas in flat per-dtype *segments* (:func:`_segments`); the replica tensors are views of
-them, so a message lands in place. :func:`_plan_messages` cuts one owner's tensors into messages
-that never span two segments; :func:`_interleave` orders all owners' messages round-robin.
+owner's replicas in flat per-dtype *segments* (:func:`segments`); the replica tensors are views of
+them, so a message lands in place. :func:`plan_messages` cuts one owner's tensors into messages
+that never span two segments; :func:`interleave` orders all owners' messages round-robin.
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ def comm_device(group_wrapper: Any) -> torch.device:
 
 
 @dataclass
-class _Message:
+class Message:
     """One transfer of ``size`` bytes from owner ``src``.
 
     On the receiver it is the byte range ``[start, start + size)`` of the owner's receive segment
-    ``group`` (see :func:`_segments`); on the owner it is assembled from ``pieces``
+    ``group`` (see :func:`segments`); on the owner it is assembled from ``pieces``
     ``(tensor, tensor_byte_offset, length, message_byte_offset)``. ``direct`` when it is one slice
     of one tensor (sent without a staging copy)."""
 
@@ -107,14 +107,14 @@ class _Message:
         return len(self.pieces) == 1 and self.pieces[0][2] == self.size
 
 
-def _plan_messages(
+def plan_messages(
     src: int,
     sizes: Sequence[int],
     bucket_bytes: int,
     direct_min: int,
     groups: Optional[Sequence[Sequence[int]]] = None,
     direct_chunk: Optional[int] = None,
-) -> List[_Message]:
+) -> List[Message]:
     """Split one owner's tensors into messages of at most ``bucket_bytes``.
 
     Args:
@@ -130,10 +130,10 @@ def _plan_messages(
         groups = [range(len(sizes))]
     direct_min = min(direct_min, bucket_bytes)  # a packed message never exceeds the bucket
     step = max(bucket_bytes, direct_chunk or bucket_bytes)
-    out: List[_Message] = []
+    out: List[Message] = []
     for g, members in enumerate(groups):
         pos = 0
-        pending: Optional[_Message] = None
+        pending: Optional[Message] = None
         for i in members:
             n, off = sizes[i], pos
             pos += n
@@ -145,13 +145,13 @@ def _plan_messages(
                     pending = None
                 for c in range(0, n, step):
                     length = min(step, n - c)
-                    out.append(_Message(src, length, [(i, c, length, 0)], g, off + c))
+                    out.append(Message(src, length, [(i, c, length, 0)], g, off + c))
                 continue
             if pending is not None and off + n - pending.start > bucket_bytes:
                 out.append(pending)
                 pending = None
             if pending is None:
-                pending = _Message(src, 0, [], g, off)
+                pending = Message(src, 0, [], g, off)
             pending.pieces.append((i, 0, n, off - pending.start))
             pending.size = off + n - pending.start
         if pending is not None:
@@ -159,7 +159,7 @@ def _plan_messages(
     return out
 
 
-def _segments(
+def segments(
     entries: Sequence[Mapping], max_bytes: int
 ) -> Tuple[List[List[int]], List[str], List[int], List[int]]:
     """Lay one owner's tensors out in flat receive buffers ("segments").
@@ -199,7 +199,7 @@ def _segments(
     return groups, dtypes, offsets, totals
 
 
-def _segment_views(
+def segment_views(
     flat: torch.Tensor,
     members: Sequence[int],
     entries: Sequence[Mapping],
@@ -207,17 +207,17 @@ def _segment_views(
     out: List[Optional[torch.Tensor]],
 ) -> None:
     """Put into ``out[i]``, for each tensor ``i`` of a segment, its view of the segment's flat
-    buffer ``flat`` (of the segment's dtype), by the byte offsets of :func:`_segments`."""
+    buffer ``flat`` (of the segment's dtype), by the byte offsets of :func:`segments`."""
     for i in members:
         e = entries[i]
         first = offsets[i] // flat.element_size()
         out[i] = flat[first : first + math.prod(e["shape"])].view(e["shape"])
 
 
-def _interleave(per_src: Sequence[List[_Message]]) -> List[_Message]:
+def interleave(per_src: Sequence[List[Message]]) -> List[Message]:
     """Round-robin over owners so transfers in both directions overlap."""
     queues = [collections.deque(m) for m in per_src]
-    out: List[_Message] = []
+    out: List[Message] = []
     while any(queues):
         for q in queues:
             if q:
@@ -225,7 +225,7 @@ def _interleave(per_src: Sequence[List[_Message]]) -> List[_Message]:
     return out
 
 
-class _Staging:
+class Staging:
     """``depth`` reusable uint8 buffers of ``bucket_bytes`` on ``device``, allocated lazily."""
 
     def __init__(self, depth: int, bucket_bytes: int, device: torch.device):
@@ -242,5 +242,5 @@ class _Staging:
         return buf[:size]
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
     return ck.tensor_byte_view(t)

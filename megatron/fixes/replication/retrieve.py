@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from megatron.fixes.replication.convert import check_tensor, prepare_tensor
 from megatron.fixes.replication.plan import (
-    _byte_view,
-    _Message,
-    _plan_messages,
-    _Staging,
+    Message,
+    Staging,
+    byte_view,
     comm_device,
+    plan_messages,
     transport_params,
 )
 from megatron.fixes.replication.replicate import GroupChecksumMismatchError
@@ -48,8 +48,8 @@ def _verify_state_dict(sd: Any, what: str) -> List[str]:
     return [f"{what}: {m}" for m in ck.verify_record(record, tensors)]
 
 
-def _p2p_plan(tensors: Sequence[torch.Tensor], bucket: int, direct_min: int) -> List[_Message]:
-    return _plan_messages(0, [t.numel() * t.element_size() for t in tensors], bucket, direct_min)
+def _p2p_plan(tensors: Sequence[torch.Tensor], bucket: int, direct_min: int) -> List[Message]:
+    return plan_messages(0, [t.numel() * t.element_size() for t in tensors], bucket, direct_min)
 
 
 def _send_state_dict(self, sd: Any, dst: int, device: torch.device) -> None:
@@ -59,8 +59,8 @@ def _send_state_dict(self, sd: Any, dst: int, device: torch.device) -> None:
     try:
         prepared = [prepare_tensor(f"tensor[{i}]", t)[0] for i, t in enumerate(tensors)]
         group.send_object(sd, dst)
-        staging = _Staging(1, params.bucket, device)
-        views = [_byte_view(t) for t in prepared]
+        staging = Staging(1, params.bucket, device)
+        views = [byte_view(t) for t in prepared]
         for msg in _p2p_plan(prepared, params.bucket, params.direct_min):
             i, toff, length, _ = msg.pieces[0]
             if msg.direct and prepared[i].device == device:
@@ -80,8 +80,8 @@ def _recv_state_dict(self, src: int, device: torch.device) -> Any:
     sd = group.recv_object(src)
     sd.init_tensors()
     tensors = list(sd.tensors)
-    views = [_byte_view(t) for t in tensors]
-    staging = _Staging(1, params.bucket, device)
+    views = [byte_view(t) for t in tensors]
+    staging = Staging(1, params.bucket, device)
     for msg in _p2p_plan(tensors, params.bucket, params.direct_min):
         i, toff, length, _ = msg.pieces[0]
         if msg.direct and tensors[i].device == device:

@@ -1,7 +1,7 @@
 """The fixed strategy class: NVRx ``CliqueReplicationStrategy`` with the fixed ``replicate`` and
 ``retrieve_execute``, and the transport's knobs.
 
-``_UpstreamClique`` / ``_UPSTREAM_REPLICATE`` are NVRx's class and its own ``replicate``,
+``UpstreamClique`` / ``UPSTREAM_REPLICATE`` are NVRx's class and its own ``replicate``,
 captured at import, before anything is patched (the capability probe runs them);
 ``FixedCliqueReplicationStrategy`` is ``None`` when NVRx is not installed.
 """
@@ -18,12 +18,12 @@ from megatron.integrity import checksums as ck
 try:
     from nvidia_resiliency_ext.checkpointing.local.replication import strategies as _strategies
 
-    _UpstreamClique = _strategies.CliqueReplicationStrategy
+    UpstreamClique = _strategies.CliqueReplicationStrategy
 except ImportError:  # NVRx not installed: the fix reports NOT_APPLICABLE
     _strategies = None
-    _UpstreamClique = None
+    UpstreamClique = None
 
-_UPSTREAM_REPLICATE = None if _UpstreamClique is None else _UpstreamClique.__dict__["replicate"]
+UPSTREAM_REPLICATE = None if UpstreamClique is None else UpstreamClique.__dict__["replicate"]
 
 
 def _validated_knobs(bucket_bytes, direct_min_bytes, pipeline_depth, checksum_algorithm):
@@ -45,9 +45,9 @@ def _validated_knobs(bucket_bytes, direct_min_bytes, pipeline_depth, checksum_al
     )
 
 
-if _UpstreamClique is not None:
+if UpstreamClique is not None:
 
-    class FixedCliqueReplicationStrategy(_UpstreamClique):
+    class FixedCliqueReplicationStrategy(UpstreamClique):
         """``CliqueReplicationStrategy`` whose replicas equal their primaries, with per-tensor
         checksums verified on save and on load, and peer retrieval over any backend.
 
@@ -85,7 +85,7 @@ if _UpstreamClique is not None:
             pipeline_depth: int = DEFAULT_PIPELINE_DEPTH,
             checksum_algorithm: Optional[str] = None,
         ):
-            _UpstreamClique.__init__(self, local_group, target_device=target_device)
+            UpstreamClique.__init__(self, local_group, target_device=target_device)
             self.bucket_bytes, self.direct_min_bytes, self.pipeline_depth = _validated_knobs(
                 bucket_bytes, direct_min_bytes, pipeline_depth, checksum_algorithm
             )

@@ -16,16 +16,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.fixes.replication.convert import _DTYPES, Owned
+from megatron.fixes.replication.convert import DTYPES, Owned
 from megatron.fixes.replication.plan import (
+    Message,
+    Staging,
     TransportParams,
-    _byte_view,
-    _interleave,
-    _Message,
-    _plan_messages,
-    _segment_views,
-    _segments,
-    _Staging,
+    byte_view,
+    interleave,
+    plan_messages,
+    segment_views,
+    segments,
 )
 from megatron.integrity import checksums as ck
 
@@ -116,7 +116,7 @@ class ReplicaExchange:
         self.hash_tensor = ck.tensor_checksum_on_device if self.on_device else _stored_checksum
 
         self.entries = [rec["entries"] for rec in records]
-        self.layouts = [_segments(e, params.bucket) for e in self.entries]
+        self.layouts = [segments(e, params.bucket) for e in self.entries]
         self.results: List[List[Optional[torch.Tensor]]] = [[None] * len(e) for e in self.entries]
         self.stored = owned.stored
         self.results[self.me] = self.stored
@@ -134,10 +134,10 @@ class ReplicaExchange:
         self.stored_ptrs = [
             s.data_ptr() if s.is_cpu and not self.on_device else 0 for s in self.stored
         ]
-        self.staging: Optional[_Staging] = _Staging(params.depth, params.bucket, device)
+        self.staging: Optional[Staging] = Staging(params.depth, params.bucket, device)
         self.staging_cpu = device.type == "cpu"
         self.per_src = [
-            _plan_messages(
+            plan_messages(
                 r,
                 [e["nbytes"] for e in entries],
                 params.bucket,
@@ -167,7 +167,7 @@ class ReplicaExchange:
             own: the stored primaries) and the checksums this rank computed of them (ints).
         """
         self._allocate_segments()
-        for msg in _interleave(self.per_src):
+        for msg in interleave(self.per_src):
             while len(self.inflight) >= self.max_inflight:
                 self._finish()
             self._post(msg)
@@ -192,12 +192,12 @@ class ReplicaExchange:
                 continue
             groups, dtypes, offsets, totals = self.layouts[r]
             for g, members in enumerate(groups):
-                dtype = _DTYPES[dtypes[g]]
+                dtype = DTYPES[dtypes[g]]
                 flat = torch.empty(
                     totals[g] // dtype.itemsize, dtype=dtype, device=self.land_device
                 )
                 self.flats[r][g] = flat.view(torch.uint8)
-                _segment_views(flat, members, entries, offsets, self.results[r])
+                segment_views(flat, members, entries, offsets, self.results[r])
                 base = flat.data_ptr()
                 for i in members:
                     self.ptrs[r][i] = base + offsets[i]
@@ -219,7 +219,7 @@ class ReplicaExchange:
         if last:
             self.sums[r][i] = self.streams.pop((r, i)).intdigest()
 
-    def _landed(self, msg: _Message, buf: torch.Tensor, staged: bool) -> None:
+    def _landed(self, msg: Message, buf: torch.Tensor, staged: bool) -> None:
         """A message from another owner completed: unstage it, hash the tensors it finished."""
         r = msg.src
         if staged:
@@ -239,7 +239,7 @@ class ReplicaExchange:
     def _src_bytes(self, i: int) -> torch.Tensor:
         view = self.send_views.get(i)
         if view is None:
-            view = self.send_views[i] = _byte_view(self.send_src[i])
+            view = self.send_views[i] = byte_view(self.send_src[i])
         return view
 
     def _take_slot(self, size: int) -> torch.Tensor:
@@ -251,7 +251,7 @@ class ReplicaExchange:
         self.slot_last[slot] = self.posted
         return self.staging.get(slot, size)
 
-    def _outgoing(self, msg: _Message) -> Tuple[torch.Tensor, bool]:
+    def _outgoing(self, msg: Message) -> Tuple[torch.Tensor, bool]:
         """(buffer to broadcast, staged) for a message of this rank."""
         i, toff, length, _ = msg.pieces[0]
         if msg.direct and self.send_src[i].device == self.device:
@@ -264,7 +264,7 @@ class ReplicaExchange:
                 buf[moff : moff + length].copy_(self._src_bytes(i)[toff : toff + length])
         return buf, True
 
-    def _pack_host(self, msg: _Message, buf: torch.Tensor) -> None:
+    def _pack_host(self, msg: Message, buf: torch.Tensor) -> None:
         """``memmove`` the pieces into a host staging buffer; a tensor copied whole is hashed
         from the copy while it is in cache (one read of the source instead of two)."""
         base = buf.data_ptr()
@@ -274,7 +274,7 @@ class ReplicaExchange:
             if length == entries[i]["nbytes"] and not self.on_device:
                 sums[i] = _cpu_checksum(base + moff, length)
 
-    def _hash_sent(self, msg: _Message) -> None:
+    def _hash_sent(self, msg: Message) -> None:
         """Owner checksums of the tensors whose last byte ``msg`` carries (or, for tensors sent
         in several messages, of its chunk), overlapping the transfer just posted."""
         entries, sums, stored = self.entries[self.me], self.sums[self.me], self.stored
@@ -291,7 +291,7 @@ class ReplicaExchange:
 
     # --------------------------------------------------------------------------- the pipeline
 
-    def _post(self, msg: _Message) -> None:
+    def _post(self, msg: Message) -> None:
         if msg.src == self.me:
             buf, staged = self._outgoing(msg)
         elif self.land_device == self.device:
@@ -327,8 +327,8 @@ class ReplicaExchange:
                 groups, dtypes, offsets, _ = self.layouts[r]
                 for g, members in enumerate(groups):
                     moved = self.flats[r][g].to(self.recv_device, non_blocking=True)
-                    _segment_views(
-                        moved.view(_DTYPES[dtypes[g]]), members, entries, offsets, self.results[r]
+                    segment_views(
+                        moved.view(DTYPES[dtypes[g]]), members, entries, offsets, self.results[r]
                     )
         digests = iter(ck.to_checksums([x for row in self.sums for x in row if x is not None]))
         self.sums = [[None if x is None else next(digests) for x in row] for row in self.sums]

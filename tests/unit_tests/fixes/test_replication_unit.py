@@ -170,7 +170,7 @@ def test_plan_messages_tiles_each_segment_in_place(seed):
         for _ in range(40)
     ]
     bucket, direct_min = 512, 300
-    groups, names, offsets, totals = R._segments(entries, bucket)
+    groups, names, offsets, totals = R.segments(entries, bucket)
     assert sorted(i for g in groups for i in g) == list(range(40))
     for g, members in enumerate(groups):
         assert all(entries[i]["dtype"] == names[g] for i in members)
@@ -178,7 +178,7 @@ def test_plan_messages_tiles_each_segment_in_place(seed):
         assert totals[g] <= bucket or len(members) == 1
         assert members == sorted(members)
     sizes = [e["nbytes"] for e in entries]
-    msgs = R._plan_messages(1, sizes, bucket, direct_min, groups)
+    msgs = R.plan_messages(1, sizes, bucket, direct_min, groups)
     covered = [[0] * n for n in sizes]
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     for m in msgs:
@@ -196,9 +196,9 @@ def test_plan_messages_tiles_each_segment_in_place(seed):
 
 
 def test_interleave_round_robin():
-    a = R._plan_messages(0, [10, 10, 10], 10, 10)
-    b = R._plan_messages(1, [10], 10, 10)
-    assert [m.src for m in R._interleave([a, b])] == [0, 1, 0, 0]
+    a = R.plan_messages(0, [10, 10, 10], 10, 10)
+    b = R.plan_messages(1, [10], 10, 10)
+    assert [m.src for m in R.interleave([a, b])] == [0, 1, 0, 0]
 
 
 # ----------------------------------------------------------------------------- the fix object
@@ -222,7 +222,7 @@ def test_apply_is_idempotent_and_reset_restores_upstream(clean_fix):
     upstream = strategies.CliqueReplicationStrategy
     up_replicate = upstream.__dict__["replicate"]
     up_retrieve = upstream.__dict__["retrieve_execute"]
-    assert upstream is R._UpstreamClique and up_replicate is R._UPSTREAM_REPLICATE
+    assert upstream is R.UpstreamClique and up_replicate is R.UPSTREAM_REPLICATE
 
     assert clean_fix.apply() is FixStatus.ACTIVE
     assert strategies.CliqueReplicationStrategy is R.FixedCliqueReplicationStrategy
@@ -260,10 +260,10 @@ def test_stands_aside_when_upstream_already_dequantizes(clean_fix, monkeypatch):
             lch.insert_tensors(td)
         return others, self.local_group.all_gather_object(id_)
 
-    monkeypatch.setattr(R, "_UPSTREAM_REPLICATE", behaving_replicate)
+    monkeypatch.setattr(R, "UPSTREAM_REPLICATE", behaving_replicate)
     assert clean_fix.upstream_behaves() is True
     assert clean_fix.apply() is FixStatus.STANDS_ASIDE
-    assert strategies.CliqueReplicationStrategy is R._UpstreamClique
+    assert strategies.CliqueReplicationStrategy is R.UpstreamClique
 
 
 def test_fixed_strategy_validates_its_knobs():
@@ -278,12 +278,12 @@ def test_fixed_strategy_validates_its_knobs():
 def test_probe_is_not_fooled_by_a_wrapper(clean_fix, monkeypatch):
     """NVRx's replicate behind a plain wrapper (other source, no ``__wrapped__``) still hands the
     transport the quantized tensor itself; the behavioural probe still sees the defect."""
-    upstream = R._UPSTREAM_REPLICATE
+    upstream = R.UPSTREAM_REPLICATE
 
     def replicate(self, local_ckpt, id_):
         return upstream(self, local_ckpt, id_)
 
-    monkeypatch.setattr(R, "_UPSTREAM_REPLICATE", replicate)
+    monkeypatch.setattr(R, "UPSTREAM_REPLICATE", replicate)
     assert clean_fix.upstream_behaves() is False
 
 
