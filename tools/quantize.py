@@ -170,6 +170,8 @@ def validate_quantize_args(args: argparse.Namespace) -> Recipe:
             "dataset from tools/preprocess_data.py) or --mock-data"
         )
     name, path = _tracked_checkpoint(args.load, getattr(args, "ckpt_step", None))
+    if name.startswith("iter_") and not getattr(args, "ckpt_step", None):
+        args.ckpt_step = int(name[len("iter_") :])  # load exactly the checkpoint named here
     if os.path.isdir(os.path.join(path, "modelopt_state")):
         raise SystemExit(
             f"quantize.py: checkpoint {path} already holds ModelOpt state "

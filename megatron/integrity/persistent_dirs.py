@@ -10,14 +10,25 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from megatron.overlay.collective import RankFailures
 from megatron.overlay.errors import OverlayError
 
-__all__ = ["CheckpointInputError", "check_chunk_cover", "resolve_persistent_dir", "volume"]
+__all__ = [
+    "TRACKER",
+    "CheckpointInputError",
+    "Tracker",
+    "check_chunk_cover",
+    "complete_iterations",
+    "is_complete",
+    "read_tracker",
+    "resolve_persistent_dir",
+    "volume",
+]
 
 _ITER_DIR = re.compile(r"iter_(\d+)$")
+TRACKER = "latest_checkpointed_iteration.txt"  # upstream's get_checkpoint_tracker_filename
 
 
 class CheckpointInputError(RankFailures, OverlayError, ValueError):
@@ -25,6 +36,65 @@ class CheckpointInputError(RankFailures, OverlayError, ValueError):
     unsupported format, local and persistent iterations that differ...). The message says what is
     wrong and what to pass instead. Raised by the verifier on every rank of its group
     (``failures``: the ranks that found it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What a --save root holds: the tracker (a hint) and the complete iteration directories (the truth)
+# ---------------------------------------------------------------------------------------------
+
+
+class Tracker(NamedTuple):
+    """What ``latest_checkpointed_iteration.txt`` of a root says.
+
+    ``iteration``: the iteration it names (``0`` for ``release``), ``None`` when it names none;
+    ``problem``: why it names none (``None`` when it is valid or simply absent, see ``present``).
+    """
+
+    present: bool
+    iteration: Optional[int]
+    release: bool
+    problem: Optional[str]
+
+
+def read_tracker(root: Union[str, os.PathLike]) -> Tracker:
+    """Read the tracker file of ``root`` without trusting it (no collectives, never exits).
+
+    Returns:
+        :class:`Tracker`; ``problem`` says why an existing tracker names no iteration (unreadable,
+        empty, not a number: upstream's ``read_metadata`` then calls ``sys.exit()`` with code 0).
+    """
+    path = Path(root) / TRACKER
+    if not path.is_file():
+        return Tracker(False, None, False, None)
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return Tracker(True, None, False, f"{path} cannot be read ({e})")
+    if text == "release":
+        return Tracker(True, 0, True, None)
+    if text.isdigit():
+        return Tracker(True, int(text), False, None)
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    return Tracker(True, None, False, f"{path} holds {shown!r}, not an iteration number")
+
+
+def is_complete(d: Union[str, os.PathLike]) -> bool:
+    """Whether iteration directory ``d`` holds a finished ``torch_dist`` save: ``.metadata``
+    (written by the coordinator after every rank's files) and ``metadata.json`` (the sharded
+    backend). Its bytes are verified at load, not here."""
+    return os.path.isfile(os.path.join(d, ".metadata")) and os.path.isfile(
+        os.path.join(d, "metadata.json")
+    )
+
+
+def complete_iterations(root: Union[str, os.PathLike]) -> List[int]:
+    """The iterations of the complete (:func:`is_complete`) ``iter_<N>`` directories of ``root``,
+    ascending; ``[]`` when ``root`` is not a directory."""
+    try:
+        dirs = _iteration_dirs(Path(root))
+    except OSError:
+        return []
+    return sorted(it for it, d in dirs.items() if it > 0 and is_complete(d))
 
 
 # ---------------------------------------------------------------------------------------------

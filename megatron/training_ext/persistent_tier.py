@@ -22,9 +22,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from megatron.integrity import manifest as mf
+from megatron.integrity import persistent_dirs
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.overlay import Patch, Patcher, alias_of, wraps_upstream
 from megatron.training_ext.console import write_line
@@ -35,16 +36,19 @@ __all__ = [
     "LOG_PREFIX",
     "OVERWRITE_FLAG",
     "CheckpointIntegrityError",
+    "check_model_shape",
+    "check_resume_shape",
     "check_save_dir",
     "install",
     "installed",
+    "resume_point",
     "saved_checkpoints",
     "uninstall",
 ]
 
 LOG_PREFIX = "[persistent-tier]"
 OVERWRITE_FLAG = "--overwrite-save"
-TRACKER = "latest_checkpointed_iteration.txt"  # upstream's get_checkpoint_tracker_filename
+TRACKER = persistent_dirs.TRACKER
 _ITER = re.compile(r"iter_(\d{7})$")
 _NON_PERSISTENT = "non_persistent"  # upstream's _NON_PERSISTENT_CKPT_SUBDIR
 
@@ -170,11 +174,14 @@ def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
         require_manifest=require or policy.require,
         hash_bytes=hash_bytes,
         group=group if collective else None,
+        damaged_as_absent=not policy.verify,
     )
     if not collective:
         return
     _VERIFIED[key] = summary
-    if summary.algorithm is None:
+    if summary.algorithm is None and summary.notes and "unreadable" in summary.notes[0]:
+        _say(f"{d.name}: {summary.notes[0]}")
+    elif summary.algorithm is None:
         _say(
             f"{d.name}: no {mf.INTEGRITY_FNAME} (saved without checksums, e.g. by upstream "
             f"Megatron-LM or with --no-verify-integrity): file sizes checked against .metadata, "
@@ -258,24 +265,200 @@ def _wrap_load_common(orig):
 
 def _previous_complete(failed: Path, tried: set) -> Optional[int]:
     """The newest ``iter_*`` below ``failed``'s iteration in the same directory that is complete
-    (``.metadata`` and ``metadata.json``) and not tried yet, else ``None``."""
+    (:func:`~megatron.integrity.persistent_dirs.is_complete`) and not tried yet, else ``None``."""
     m = _ITER.match(failed.name)
     if not m:
         return None
     below = int(m.group(1))
-    cands = []
-    for e in os.scandir(failed.parent):
-        mm = _ITER.match(e.name)
-        if (
-            mm
-            and e.is_dir()
-            and 0 < int(mm.group(1)) < below
-            and os.path.realpath(e.path) not in tried
-            and os.path.isfile(os.path.join(e.path, ".metadata"))
-            and os.path.isfile(os.path.join(e.path, "metadata.json"))
-        ):
-            cands.append(int(mm.group(1)))
+    cands = [
+        it
+        for it in persistent_dirs.complete_iterations(failed.parent)
+        if it < below and os.path.realpath(failed.parent / f"iter_{it:07d}") not in tried
+    ]
     return max(cands, default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tracker is a hint: the newest complete iteration directory is the truth
+# ---------------------------------------------------------------------------------------------
+
+
+def resume_point(load_dir: Optional[str]) -> tuple:
+    """Which iteration a load of ``load_dir`` must use instead of what its tracker says.
+
+    Upstream trusts ``latest_checkpointed_iteration.txt`` alone: missing, it starts from scratch
+    (and its saves overwrite the complete checkpoints); garbage, it exits with code 0 having
+    trained nothing; naming a deleted directory, it fails with a ``FileNotFoundError``. Here the
+    newest complete ``iter_*`` directory wins; its bytes are verified at load as usual, and a
+    failure falls back to the previous complete one.
+
+    Returns:
+        ``(iteration, line)``: the iteration to load and the line that says why the tracker was
+        overruled; ``(None, None)`` when the tracker is right (or names ``release``), or when the
+        directory holds no complete checkpoint and no tracker (a first start).
+
+    Raises:
+        SystemExit: (code 1) the tracker is unusable and no complete checkpoint exists, naming
+            the tracker and what to do. The file system is the same on every rank, so every rank
+            raises together, before any collective of the load.
+    """
+    if not load_dir or not os.path.isdir(load_dir):
+        return None, None
+    tracker = persistent_dirs.read_tracker(load_dir)
+    complete = persistent_dirs.complete_iterations(load_dir)
+    newest = complete[-1] if complete else None
+    if tracker.release or (tracker.iteration is not None and tracker.iteration == newest):
+        return None, None
+    path = os.path.join(load_dir, TRACKER)
+    if tracker.problem is not None:
+        why = tracker.problem
+    elif not tracker.present:
+        if newest is None:
+            return None, None
+        why = f"{path} is missing"
+    elif tracker.iteration in complete:  # an older complete one; the newer save's tracker write
+        why = (  # did not happen (the job was stopped in between)
+            f"{path} names iteration {tracker.iteration}, but iter_{newest:07d} is complete and "
+            f"newer (to resume from {tracker.iteration}, pass --ckpt-step {tracker.iteration})"
+        )
+    else:
+        d = os.path.join(load_dir, f"iter_{tracker.iteration:07d}")
+        why = f"{path} names iteration {tracker.iteration}, but {d} " + (
+            "is incomplete" if os.path.isdir(d) else "does not exist"
+        )
+    if newest is None:
+        raise SystemExit(
+            f"pretrain_gpt.py: {why}, and {load_dir} holds no complete checkpoint (iter_<N> with "
+            f".metadata and metadata.json) to resume from. Restore the checkpoint, or remove "
+            f"{path} to start from scratch in {load_dir}"
+        )
+    return newest, (
+        f"{why}: the tracker is a hint, not the truth; resuming from the newest complete "
+        f"checkpoint, iter_{newest:07d} (the tracker is rewritten at the next save)"
+    )
+
+
+#: Settings that fix the shape of a model tensor: (args attribute, flag). A resume under another
+#: value fails deep in the load (``CheckpointException`` with no word about the setting).
+MODEL_SHAPE = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"),
+    ("kv_channels", "--kv-channels"),
+    ("max_position_embeddings", "--max-position-embeddings (with --seq-length)"),
+    ("num_experts", "--num-experts"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("swiglu", "--swiglu"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+)
+
+
+def check_model_shape(iteration_dir: Union[str, os.PathLike], args: Any) -> None:
+    """Refuse, before any tensor is read, a resume whose model shape differs from the checkpoint's:
+    the ``args`` saved in the checkpoint's common state (upstream's ``load_common_state_dict``:
+    the ``common_state`` object of a ``torch_dist`` checkpoint, or a legacy ``common.pt``) against
+    ``args`` for each setting of :data:`MODEL_SHAPE`. Nothing is checked without readable common
+    state (the verification of the load then names what is wrong) or with ``--finetune`` /
+    ``--use-checkpoint-args``.
+
+    Raises:
+        SystemExit: naming each setting with the checkpoint's value and this run's; the file
+            system is the same on every rank, so every rank raises together.
+    """
+    if getattr(args, "finetune", False) or getattr(args, "use_checkpoint_args", False):
+        return
+    if not os.path.isdir(iteration_dir):
+        return
+    import warnings
+
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    try:
+        with warnings.catch_warnings():  # DCP's "no_dist" load of one small object warns
+            warnings.simplefilter("ignore")
+            saved = load_common_state_dict(str(iteration_dir)).get("args")
+    except Exception:  # noqa: BLE001 - unreadable: the verification of the load names it
+        return
+    if saved is None:
+        return
+    diffs = [
+        f"{flag}: {_effective(saved, attr)} (checkpoint) vs {_effective(args, attr)} (this run)"
+        for attr, flag in MODEL_SHAPE
+        if hasattr(saved, attr)
+        and hasattr(args, attr)
+        and _effective(saved, attr) != _effective(args, attr)
+        and not (attr == "max_position_embeddings" and not _learned_positions(args))
+    ]
+    if diffs:
+        raise SystemExit(
+            f"pretrain_gpt.py: the model of this run differs from the checkpoint's in "
+            f"{iteration_dir}: "
+            + "; ".join(diffs)
+            + ". Nothing was loaded or changed: give the checkpoint's values to resume it, or "
+            "another --save (and no --load) for a new model"
+        )
+
+
+def _effective(args: Any, attr: str) -> Any:
+    """The value of ``attr`` the model is built with: ``--num-query-groups`` counts only with
+    ``--group-query-attention`` (upstream sets it to the head count during training, so a saved
+    checkpoint holds that, while a start holds the flag's default)."""
+    if attr == "num_query_groups" and not getattr(args, "group_query_attention", False):
+        return getattr(args, "num_attention_heads", None)
+    return getattr(args, attr)
+
+
+def _learned_positions(args: Any) -> bool:
+    return getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute"
+
+
+_OVERRULED: set = set()  # realpaths of the trackers overruled by resume_point (this process)
+
+
+def _wrap_read_metadata(orig):
+    @wraps_upstream(orig)
+    def read_metadata(tracker_filename):
+        """megatron.training read_metadata that never exits with code 0 on a damaged tracker: one
+        overruled by the newest complete checkpoint names nothing (``--ckpt-step`` then decides),
+        any other stops with the file named (megatron.training_ext.persistent_tier)."""
+        problem = persistent_dirs.read_tracker(os.path.dirname(tracker_filename) or ".").problem
+        if problem is None:
+            return orig(tracker_filename)
+        if os.path.realpath(tracker_filename) in _OVERRULED:
+            return -1, False
+        raise SystemExit(
+            f"pretrain_gpt.py: {problem}; write the iteration to resume from into it, or remove it "
+            f"(the newest complete checkpoint is then found by this fork)"
+        )
+
+    return read_metadata
+
+
+def check_resume_shape(args: Any) -> None:
+    """:func:`check_model_shape` of the persistent checkpoint this start would resume
+    (``--ckpt-step``, else :func:`resume_point`, else the tracker), called at start before the
+    local tier decides anything: a wrong ``--hidden-size`` is named with both values instead of
+    the local tier rejecting its checkpoint as another run's and the persistent load failing with
+    a shape mismatch. Nothing without ``--load`` or a complete checkpoint in it.
+
+    Raises:
+        SystemExit: as :func:`check_model_shape`.
+    """
+    load = getattr(args, "load", None)
+    if not load or not os.path.isdir(load):
+        return
+    step = getattr(args, "ckpt_step", None)
+    if not step:
+        try:
+            step, _ = resume_point(load)
+        except SystemExit:  # an unusable tracker: the load names it, on every rank
+            return
+        if step is None:
+            step = persistent_dirs.read_tracker(load).iteration
+    if step:
+        check_model_shape(os.path.join(load, f"iter_{int(step):07d}"), args)
 
 
 def _wrap_load_checkpoint(orig, get_args):
@@ -287,6 +470,17 @@ def _wrap_load_checkpoint(orig, get_args):
         user_step = getattr(margs, "ckpt_step", None)
         tried: set = set()
         failures: List[CheckpointIntegrityError] = []
+        load_dir = getattr(margs, _bound_load_arg(args, kwargs), None)
+        if not user_step:
+            step, line = resume_point(load_dir)
+            if step is not None:
+                _say(line)
+                _OVERRULED.add(os.path.realpath(os.path.join(load_dir, TRACKER)))
+                margs.ckpt_step = step
+        if load_dir:
+            target = margs.ckpt_step or persistent_dirs.read_tracker(load_dir).iteration
+            if target:
+                check_model_shape(os.path.join(load_dir, f"iter_{int(target):07d}"), margs)
         try:
             while True:
                 try:
@@ -316,6 +510,14 @@ def _wrap_load_checkpoint(orig, get_args):
             margs.ckpt_step = user_step
 
     return load_checkpoint
+
+
+def _bound_load_arg(args, kwargs) -> str:
+    """``load_arg`` of a ``load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg,
+    ...)`` call (default ``"load"``)."""
+    if "load_arg" in kwargs:
+        return kwargs["load_arg"]
+    return args[3] if len(args) > 3 else "load"
 
 
 def _no_fallback_advice(failed: Path, user_step, failures) -> str:
@@ -348,7 +550,8 @@ def _wrap_load_checkpoint_of_run(upstream):
 
 _LOAD_WHY = (
     "a checkpoint that fails verification falls back to the previous complete one, on "
-    "every rank together"
+    "every rank together; a missing, damaged or stale tracker is overruled by the newest "
+    "complete checkpoint"
 )
 _DC, _SER = "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.serialization"
 
@@ -377,6 +580,12 @@ PATCHES = tuple(
         ),
     )
 ) + (
+    Patch(
+        "megatron.training.checkpointing.read_metadata",
+        _wrap_read_metadata,
+        "a damaged tracker stops the start with the file named (exit code 1, upstream exits 0) "
+        "unless the newest complete checkpoint overrules it",
+    ),
     Patch(
         "megatron.training.checkpointing.load_checkpoint", _wrap_load_checkpoint_of_run, _LOAD_WHY
     ),
@@ -410,6 +619,7 @@ def install(args: Any) -> None:
     if _POLICY is not None:
         _POLICY = policy
         _VERIFIED.clear()
+        _OVERRULED.clear()
         return
     problems = [problem for patch in PATCHES if (problem := patch.check())]
     if problems:
@@ -433,4 +643,5 @@ def uninstall() -> None:
     global _POLICY
     _PATCHER.restore()
     _VERIFIED.clear()
+    _OVERRULED.clear()
     _POLICY = None

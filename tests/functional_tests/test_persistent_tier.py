@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron.integrity import manifest as mf
+from megatron.integrity import persistent_dirs
 from tests.functional_tests.conftest import SCHEDULE_16_EXIT_14
 from tests.helpers.launch import assert_bitwise_equal, run_pretrain
 
@@ -173,3 +174,85 @@ def test_truncated_file_stops_every_rank_before_training(saved, tmp_path):
     ) == {0, 1}
     assert f"no earlier complete checkpoint in {ckpt} to fall back to" in run.output
     assert "EOFError" not in run.output
+
+
+@pytest.mark.parametrize("tracker", ["garbage", "missing", "names_deleted"])
+def test_wrong_tracker_resumes_from_the_newest_complete_checkpoint(
+    saved, straight_16_exit_14, tmp_path, tracker
+):
+    """The tracker is a hint: garbage (upstream: exit code 0, nothing trained), missing (upstream:
+    starts from random weights and its saves overwrite iterations 5 and 10) or naming a deleted
+    iteration (upstream: FileNotFoundError); the newest complete checkpoint, iter_0000010, is
+    resumed and training from it is bitwise the uninterrupted run."""
+    ckpt = shutil.copytree(saved, tmp_path / "ckpt")
+    t = ckpt / "latest_checkpointed_iteration.txt"
+    if tracker == "garbage":
+        t.write_text("abc")
+        why = f"{t} holds 'abc', not an iteration number"
+    elif tracker == "missing":
+        t.unlink()
+        why = f"{t} is missing"
+    else:
+        shutil.copytree(ckpt / "iter_0000010", ckpt / "iter_0000015")
+        t.write_text("15")
+        shutil.rmtree(ckpt / "iter_0000015")
+        why = f"{t} names iteration 15, but {ckpt / 'iter_0000015'} does not exist"
+    run = run_pretrain(
+        tmp_path, *SCHEDULE_16_EXIT_14, *SAVE_EVERY_5, "--save", str(ckpt), "--load", str(ckpt)
+    )
+    assert (
+        f"[persistent-tier] {why}: the tracker is a hint, not the truth; resuming from the newest "
+        f"complete checkpoint, iter_0000010 (the tracker is rewritten at the next save)"
+    ) in run.output, run.output[-3000:]
+    assert run.first_iteration() == 11
+    assert_bitwise_equal(straight_16_exit_14, run.losses, range(11, 15))
+    newest = persistent_dirs.complete_iterations(ckpt)[-1]
+    assert newest > 10 and t.read_text().strip() == str(newest)  # rewritten by this run's save
+    for it in (5, 10):  # nothing overwritten
+        d = ckpt / f"iter_{it:07d}"
+        assert _digests(d) == _digests(saved / d.name)
+
+
+def test_load_of_an_iteration_directory_is_refused_before_training(saved, tmp_path):
+    ckpt = shutil.copytree(saved, tmp_path / "ckpt")
+    before = _digests(ckpt)
+    run = run_pretrain(
+        tmp_path,
+        *SCHEDULE_16_EXIT_14,
+        *SAVE_EVERY_5,
+        "--save",
+        str(tmp_path / "other"),
+        "--load",
+        str(ckpt / "iter_0000010"),
+        check=False,
+    )
+    assert run.returncode == 1 and run.losses == {}
+    line = (
+        f"pretrain_gpt.py: --load {ckpt / 'iter_0000010'} is an iteration directory, not a "
+        f"checkpoint directory: upstream would find no checkpoint in it and train from random "
+        f"weights. Pass --load {ckpt} --ckpt-step 10 to resume from it"
+    )
+    assert run.output.count(line) == 2, run.output[-3000:]  # every rank
+    assert _digests(ckpt) == before and not (tmp_path / "other").exists()
+
+
+def test_save_under_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    run = run_pretrain(
+        tmp_path,
+        *SAVE_EVERY_5,
+        "--save",
+        str(tmp_path / "afile" / "ckpt"),
+        "--load",
+        str(tmp_path / "afile" / "ckpt"),
+        check=False,
+    )
+    assert run.returncode == 1 and run.losses == {}
+    assert (
+        run.output.count(
+            f"--save {tmp_path / 'afile' / 'ckpt'} is under a file, {tmp_path / 'afile'}, not a "
+            f"directory"
+        )
+        == 2
+    ), run.output[-3000:]
+    assert "building GPT model" not in run.output
