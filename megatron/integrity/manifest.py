@@ -484,6 +484,7 @@ def verify_checkpoint_dir(
     require_manifest: bool = False,
     hash_bytes: bool = True,
     group=None,
+    damaged_as_absent: bool = False,
 ) -> VerifySummary:
     """Verify a checkpoint directory. Collective when ``torch.distributed`` is initialised (call on
     every rank of ``group``): each rank checks a share of the files (balanced by size) and one
@@ -491,7 +492,10 @@ def verify_checkpoint_dir(
 
     With ``integrity.json``: every listed file is present, of the saved size and (``hash_bytes``)
     of the saved digests. Without it: every data file ``.metadata`` names exists and is long enough
-    (no data read), and ``require_manifest`` makes the absence itself a problem.
+    (no data read), and ``require_manifest`` makes the absence itself a problem. A manifest of this
+    fork (``xxh3-64-blocks``) must list every file of the directory: one that leaves a file out
+    (``"files": {}``, a hand edit, files of another save) fails. ``damaged_as_absent`` (the
+    ``--no-verify-integrity`` load): an unreadable manifest counts as absent, with a note.
 
     Returns:
         What was checked.
@@ -503,11 +507,14 @@ def verify_checkpoint_dir(
     t0 = time.perf_counter()
     d = Path(checkpoint_dir)
     rank, world = _rank_world(group)
+    damaged = None
     try:
         man = read_manifest(d)
         local: Tuple = ("ok", man is not None, [])
     except CheckpointIntegrityError as e:
         man, local = None, ("bad", True, list(e.problems))
+        if damaged_as_absent and not require_manifest:
+            damaged, local = "; ".join(str(p) for p in e.problems), ("ok", False, [])
     views = _gather(local[:2], group)
     if any(v[0] == "bad" for v in views) or len({v[1] for v in views}) > 1:
         bad = [r for r, v in enumerate(views) if v[0] == "bad" or v[1] != views[0][1]]
@@ -528,8 +535,20 @@ def verify_checkpoint_dir(
         sizes = {n: int(man.get("sizes", {}).get(n, 1)) for n in man["files"]}
         summary.files = len(sizes)
         share = _assign(sizes, world)[rank]
+        uncovered = []
+        if rank == 0 and summary.algorithm == ALGORITHM:
+            uncovered = [
+                FileProblem(
+                    n,
+                    f"not covered by {INTEGRITY_FNAME} (it lists {len(sizes)} files): a manifest "
+                    f"that leaves out a file of the checkpoint verifies nothing about it",
+                )
+                for n in _manifest_names(d)
+                if n not in sizes
+            ]
+        problems += uncovered
         if hash_bytes:
-            problems = check_files(d, man, share)
+            problems += check_files(d, man, share)
             hashed = sum(sizes[n] for n in share)
         else:  # sizes only
             for n in share:
@@ -555,7 +574,10 @@ def verify_checkpoint_dir(
         if rank == 0 or world == 1:
             problems += check_storage_ranges(d)
         summary.notes.append(
-            "no integrity.json: sizes checked against .metadata, bytes not verified"
+            f"{INTEGRITY_FNAME} unreadable ({damaged}): treated as absent (--no-verify-integrity); "
+            "sizes checked against .metadata, bytes not verified"
+            if damaged
+            else "no integrity.json: sizes checked against .metadata, bytes not verified"
         )
     found = _gather((problems, hashed), group)
     merged = sorted({p for ps, _ in found for p in ps}, key=lambda p: (p.file, p.start or 0))

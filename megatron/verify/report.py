@@ -48,7 +48,10 @@ PROBLEM_KINDS: Dict[str, str] = {
         "bounds)"
     ),
     "storage": "a persistent chunk's storage entry is missing or lies beyond the end of its file",
-    "manifest": "megatron-core's integrity.json (SHA-256 per file) does not match the files",
+    "manifest": (
+        "integrity.json (its algorithm named with the finding: this fork's per-block xxh3-64, or "
+        "megatron-core's SHA-256 per file) does not match the files"
+    ),
     "local_incomplete": "the local files together do not hold every region of a persistent tensor",
     "missing_copy": (
         "an owner rank has fewer local copies (primary + replicas) than the replication factor"

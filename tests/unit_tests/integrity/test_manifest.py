@@ -120,6 +120,41 @@ def test_unknown_or_broken_manifest_is_an_error(tmp_path):
     assert mf.read_manifest(d) is None
 
 
+def test_manifest_that_leaves_out_files_fails_verification(tmp_path):
+    d = tmp_path / "iter_0000001"
+    d.mkdir()
+    _write(d / "__0_0.distcp", os.urandom(3000))
+    _write(d / ".metadata", b"m")
+    _manifest_for(d)
+    assert mf.verify_checkpoint_dir(d).files == 2
+    _write(d / "__1_0.distcp", os.urandom(100))  # a file of another save
+    with pytest.raises(mf.CheckpointIntegrityError) as e:
+        mf.verify_checkpoint_dir(d)
+    assert [p.file for p in e.value.problems] == ["__1_0.distcp"]
+    assert "not covered by integrity.json (it lists 2 files)" in e.value.problems[0].what
+    man = json.loads((d / mf.INTEGRITY_FNAME).read_text())
+    man.update(files={}, sizes={}, blocks={})  # hand-edited: "verified 0 files" before
+    (d / mf.INTEGRITY_FNAME).write_text(json.dumps(man))
+    with pytest.raises(mf.CheckpointIntegrityError) as e:
+        mf.verify_checkpoint_dir(d)
+    assert [p.file for p in e.value.problems] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_unreadable_manifest_is_absent_under_no_verify_integrity(tmp_path, monkeypatch):
+    monkeypatch.setattr(mf, "check_storage_ranges", lambda d: [])  # no .metadata in this one
+    d = tmp_path / "iter_0000001"
+    d.mkdir()
+    (d / mf.INTEGRITY_FNAME).write_text("{not json")
+    with pytest.raises(mf.CheckpointIntegrityError, match="not a valid manifest"):
+        mf.verify_checkpoint_dir(d, hash_bytes=False)  # the default: an error
+    s = mf.verify_checkpoint_dir(d, hash_bytes=False, damaged_as_absent=True)
+    assert s.algorithm is None and s.files == 0
+    assert s.notes[0].startswith("integrity.json unreadable (integrity.json: not a valid manifest")
+    assert "treated as absent (--no-verify-integrity)" in s.notes[0]
+    with pytest.raises(mf.CheckpointIntegrityError, match="not a valid manifest"):
+        mf.verify_checkpoint_dir(d, require_manifest=True, damaged_as_absent=True)
+
+
 # --- two ranks through megatron-core's dist_checkpointing --------------------------------------
 
 
