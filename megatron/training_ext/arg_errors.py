@@ -39,7 +39,7 @@ class ArgumentMistake(SystemExit, OverlayError):
     """A command-line mistake: exit status 1 with one line saying which flags and why."""
 
 
-def _mistake(line: str) -> ArgumentMistake:
+def mistake(line: str) -> ArgumentMistake:
     """The :class:`ArgumentMistake` for ``line``. In a multi-rank launch (``$LOCAL_WORLD_SIZE`` >
     1, as torchrun sets it) the line is printed now and the rank waits :data:`LINGER_S` so that
     every rank's line reaches the log; the exception then exits with status 1 and prints nothing
@@ -216,7 +216,7 @@ def parse_and_validate_args(
         line = explain(e, parser)
         if line is None:
             raise
-        raise _mistake(f"{prog}: {line}") from None
+        raise mistake(f"{prog}: {line}") from None
     check_later_failures(args, prog)
     return args
 
@@ -234,7 +234,7 @@ def check_later_failures(args: argparse.Namespace, prog: str = "pretrain_gpt.py"
         and not getattr(args, "full_validation", False)
         and not getattr(args, "skip_train", False)
     ):
-        raise _mistake(
+        raise mistake(
             f"{prog}: --eval-interval is required (upstream's default is None, and training "
             "divides --train-iters by it when it builds the data loaders): give --eval-interval N, "
             "the iterations between evaluations (any N with --eval-iters 0)"

@@ -199,6 +199,30 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "before training. error (default): a load whose state differs stops "
         "every rank naming the tensors; warn: continue, loudly; off: neither.",
     )
+    # One job per --save (megatron/training_ext/save_hold.py).
+    group.add_argument(
+        "--take-save-hold",
+        action="store_true",
+        help="Start even though another job holds --save (its JOB_HOLD.json has a fresh "
+        "heartbeat): for a job known to be gone whose hold is not yet stale. Both jobs "
+        "would otherwise overwrite each other's checkpoints.",
+    )
+    group.add_argument(
+        "--save-hold-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="Seconds without heartbeat after which the hold of a job on another host (or "
+        "container) is stale and taken over (default 30; a holder on this host is "
+        "taken over as soon as its process is gone).",
+    )
+    group.add_argument(
+        "--no-save-hold",
+        dest="save_hold",
+        action="store_false",
+        help="Write no JOB_HOLD.json and do not check for one (file systems without "
+        "atomic link); nothing then stops a second job with the same --save.",
+    )
     group.add_argument(
         "--overwrite-save",
         action="store_true",
@@ -255,6 +279,9 @@ def validate_fork_args(args: argparse.Namespace) -> None:
             "'ProcessGroup' at the first local save); drop --async-save (local saves "
             "are fast and synchronous) or the local tier"
         )
+    hold_timeout = getattr(args, "save_hold_timeout", None)
+    if hold_timeout is not None and not hold_timeout > 0:
+        raise SystemExit(f"--save-hold-timeout must be > 0 seconds (got {hold_timeout})")
     if getattr(args, "verify_integrity", False) and not getattr(args, "persistent_integrity", True):
         raise SystemExit(
             "--verify-integrity (integrity.json required at load) and "
@@ -265,25 +292,47 @@ def validate_fork_args(args: argparse.Namespace) -> None:
 def check_run_setup(args: argparse.Namespace) -> None:
     """Refuse, on every rank and before any model is built, a start whose setup would fail late or
     lose work: ``--inprocess-restart`` (silently ignored by upstream's flag handling here), no
-    training data (:func:`megatron.training_ext.data_checks.check_data_args`), or a ``--save``
-    holding checkpoints this run does not load
-    (:func:`megatron.training_ext.persistent_tier.check_save_dir`).
+    training data (:func:`megatron.training_ext.data_checks.check_data_args`), a ``--load`` naming
+    an iteration directory, a model shape other than the checkpoint's
+    (:func:`megatron.training_ext.persistent_tier.check_resume_shape`), a ``--save`` or local
+    checkpoint directory that cannot take a checkpoint (:mod:`megatron.training_ext.start_checks`),
+    or a ``--save`` holding checkpoints this run does
+    not load (:func:`megatron.training_ext.persistent_tier.check_save_dir`), or a ``--save`` held
+    by another job (:func:`megatron.training_ext.save_hold.acquire`, which then holds it).
 
     Raises:
         SystemExit: with the reason and what to give instead.
     """
-    from megatron.training_ext import data_checks, persistent_tier
+    from megatron.training_ext import (
+        arg_errors,
+        data_checks,
+        persistent_tier,
+        save_hold,
+        start_checks,
+    )
 
-    if getattr(args, "inprocess_restart", False):
-        raise SystemExit(
-            "pretrain_gpt.py: --inprocess-restart is not supported by this entrypoint "
-            "(upstream's flag would be ignored: nothing wraps the training function, "
-            "and the local tier's per-process decisions would carry over between "
-            "attempts); restart in place with ft_launcher's in-job restart instead "
-            "(examples/ft_launcher, README)"
-        )
-    data_checks.check_data_args(args)
-    persistent_tier.check_save_dir(args)
+    try:
+        if getattr(args, "inprocess_restart", False):
+            raise SystemExit(
+                "pretrain_gpt.py: --inprocess-restart is not supported by this entrypoint "
+                "(upstream's flag would be ignored: nothing wraps the training function, "
+                "and the local tier's per-process decisions would carry over between "
+                "attempts); restart in place with ft_launcher's in-job restart instead "
+                "(examples/ft_launcher, README)"
+            )
+        data_checks.check_data_args(args)
+        start_checks.check_load_dir(args)
+        persistent_tier.check_resume_shape(args)
+        start_checks.check_directories(args)
+        restored = start_checks.check_run_token(args)
+        if restored:
+            print(restored, flush=True)
+        persistent_tier.check_save_dir(args)
+        save_hold.acquire(args)  # last: a start refused above leaves no hold behind
+    except SystemExit as e:  # every rank names it, also when a launcher stops the others early
+        if isinstance(e.code, str):
+            raise arg_errors.mistake(e.code) from None
+        raise
 
 
 def _validate_local_tier_args(args: argparse.Namespace) -> None:
