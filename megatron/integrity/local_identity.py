@@ -29,6 +29,7 @@ from megatron.integrity.local_layout import (
     parse_local_name,
 )
 from megatron.integrity.torch_save import load_without_tensors
+from megatron.overlay.errors import OverlayError
 
 __all__ = [
     "IDENTITY_ATTR",
@@ -39,12 +40,15 @@ __all__ = [
     "RUN_ID_FLAG",
     "RUN_SETTINGS",
     "RUN_TOKEN_FILE",
+    "RunTokenError",
     "TOPOLOGY_SETTINGS",
     "get_identity",
     "identity_problems",
     "make_identity",
     "parse_local_name",
     "read_header",
+    "recover_run_token",
+    "repair_run_token",
     "run_identity",
     "run_token",
     "run_settings",
@@ -152,10 +156,27 @@ def run_settings(args: Any) -> dict:
     return {n: _canonical(n, getattr(args, n, None)) for n in RUN_SETTINGS}
 
 
+class RunTokenError(OverlayError, ValueError):
+    """:data:`RUN_TOKEN_FILE` exists but cannot be read: a new token would silently make every
+    local checkpoint of the run another run's. ``path``: the file."""
+
+    def __init__(self, path: str, cause: BaseException):
+        self.path = path
+        super().__init__(
+            f"{path} is unreadable ({type(cause).__name__}: {cause}); it identifies this run's "
+            f"local checkpoints"
+        )
+
+
 def run_token(save_dir: Optional[str], create: bool) -> Optional[str]:
     """The run token kept in ``save_dir`` (:data:`RUN_TOKEN_FILE`), created when missing and
     ``create`` (exclusive create: an existing token is never replaced); ``None`` without
-    ``save_dir`` or when it cannot be read or written (then the settings alone identify the run).
+    ``save_dir``, when missing and not ``create``, or when it cannot be written (then the settings
+    alone identify the run).
+
+    Raises:
+        RunTokenError: the file exists but is not a readable token (truncated, not JSON, no
+            ``run_token``): :func:`recover_run_token` can restore it from the local files.
     """
     if not save_dir:
         return None
@@ -163,26 +184,19 @@ def run_token(save_dir: Optional[str], create: bool) -> Optional[str]:
     for _ in range(2):
         try:
             with open(path) as f:
-                return str(json.load(f)["run_token"])
+                token = json.load(f)["run_token"]
+            if not isinstance(token, str) or not token:
+                raise ValueError(f"run_token is {token!r}")
+            return token
         except FileNotFoundError:
             if not create:
                 return None
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RunTokenError(path, e) from None
         try:
             os.makedirs(save_dir, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(
-                    {
-                        "run_token": uuid.uuid4().hex,
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "host": socket.gethostname(),
-                    },
-                    f,
-                )
-                f.flush()
-                os.fsync(f.fileno())
+            _write_token(tmp, uuid.uuid4().hex)
             try:
                 os.link(tmp, path)  # fails if another process created it first
             except FileExistsError:
@@ -192,6 +206,61 @@ def run_token(save_dir: Optional[str], create: bool) -> Optional[str]:
         except OSError:
             return None
     return None
+
+
+def _write_token(path: str, token: str, **extra: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "run_token": token,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "host": socket.gethostname(),
+                **extra,
+            },
+            f,
+        )
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def recover_run_token(local_dir: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
+    """The run token recorded in the newest local checkpoint file under ``local_dir`` (the
+    ``run_settings`` of its identity record, read without its tensors), for a
+    :data:`RUN_TOKEN_FILE` that became unreadable.
+
+    Returns:
+        ``(token, file)``, or ``(None, None)`` when no local file holds one.
+    """
+    if not local_dir or not os.path.isdir(local_dir):
+        return None, None
+    found = []
+    for root, _dirs, names in os.walk(local_dir):
+        for name in names:
+            parsed = parse_local_name(name)
+            if parsed is not None and not parsed[2]:
+                found.append((parsed[0], os.path.join(root, name)))
+    for _it, path in sorted(found, reverse=True):
+        try:
+            rec = get_identity(read_header(path))
+        except Exception:  # noqa: BLE001 - an unreadable file: try the next one
+            continue
+        token = ((rec or {}).get("run_settings") or {}).get("run_token")
+        if isinstance(token, str) and token:
+            return token, path
+    return None, None
+
+
+def repair_run_token(save_dir: str, token: str, source: str) -> None:
+    """Replace the unreadable :data:`RUN_TOKEN_FILE` of ``save_dir`` by ``token`` (recovered from
+    ``source``), atomically (a temporary file renamed over it).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = os.path.join(save_dir, RUN_TOKEN_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    _write_token(tmp, token, recovered_from=source)
+    os.replace(tmp, path)
 
 
 def run_identity(

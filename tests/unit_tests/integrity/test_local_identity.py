@@ -70,6 +70,47 @@ def test_run_token_is_created_once_and_never_replaced(tmp_path):
     assert li.run_token(None, create=True) is None
 
 
+class _Shard:  # stands in for a saved TensorAwareStateDict: tensors plus the identity record
+    pass
+
+
+def _local_file(path, token, iteration):
+    run_id, source, settings = li.run_identity(_args(), token=token)
+    shard = _Shard()
+    shard.w = torch.ones(3)
+    setattr(
+        shard,
+        li.IDENTITY_ATTR,
+        li.make_identity(run_id, source, settings, li.topology(_args()), iteration, 0, "g", "h"),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(shard, path)
+
+
+@pytest.mark.parametrize("damage", ["", '{"run_tok', '{"run_token": ""}', "[1]"])
+def test_an_unreadable_run_token_is_an_error_and_is_recovered_from_the_local_files(
+    tmp_path, damage
+):
+    """Never a new identity: a truncated or damaged token file raises RunTokenError naming it;
+    the token comes back from the identity record of the newest local file."""
+    save, local = tmp_path / "ckpt", tmp_path / "local"
+    tok = li.run_token(str(save), create=True)
+    (save / li.RUN_TOKEN_FILE).write_text(damage)
+    for create in (False, True):
+        with pytest.raises(li.RunTokenError, match=li.RUN_TOKEN_FILE + " is unreadable"):
+            li.run_token(str(save), create=create)
+    assert (save / li.RUN_TOKEN_FILE).read_text() == damage  # never replaced by a new token
+    assert li.recover_run_token(str(local)) == (None, None)
+    _local_file(local / "0" / "iter_0000008_0_local.pt", "older", 8)
+    _local_file(local / "0" / "iter_0000012_0_local.pt", tok, 12)
+    (local / "0" / "iter_0000016_0_local.dirty.pt").write_bytes(b"partial")
+    token, source = li.recover_run_token(str(local))
+    assert token == tok and source.endswith("iter_0000012_0_local.pt")
+    li.repair_run_token(str(save), token, source)
+    assert li.run_token(str(save), create=False) == tok
+    assert sorted(os.listdir(save)) == [li.RUN_TOKEN_FILE]
+
+
 def test_identity_problems_name_what_differs():
     topo = li.topology(_args())
     run_id, source, settings = li.run_identity(_args(), token="t")
