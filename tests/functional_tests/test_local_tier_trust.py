@@ -11,6 +11,7 @@ must be bitwise equal to an uninterrupted run. Guards run the same with
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from tests.helpers.fault_injection import flip_byte_in_largest_storage
 from tests.helpers.launch import (
+    FAULTS_ENTRY,
     assert_bitwise_equal,
     local_tier_args,
     run_pretrain,
@@ -185,3 +187,115 @@ def test_guard_upstream_fails_on_a_topology_change(base, tmp_path):
     )
     assert run.returncode != 0 and not run.losses, run.output[-3000:]
     assert "AssertionError" in run.output or "Error" in run.output
+
+
+def test_wrong_model_shape_is_refused_and_the_corrected_restart_loses_nothing(
+    base, straight, tmp_path
+):
+    """A restart with another --hidden-size is refused before any load, naming the setting and
+    both values, exit non-zero; it moves, deletes or hides no file, so the corrected restart
+    resumes from local 12 (nothing lost), bitwise."""
+    work = copy_of(base, tmp_path / "work")
+
+    def files():
+        return sorted(
+            (str(p.relative_to(work)), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in (work / "local").rglob("*")
+        ) + sorted(str(p.relative_to(work)) for p in (work / "ckpt").rglob("*"))
+
+    before = files()
+    run = resume(work, "--hidden-size", "128", check=False)
+    assert run.returncode != 0 and not run.losses, run.output[-3000:]
+    assert "--hidden-size: 64 (checkpoint) vs 128 (this run)" in run.output, run.output[-3000:]
+    assert "CheckpointingException" not in run.output, run.output[-3000:]
+    assert files() == before
+    run = resume(work)
+    assert run.first_iteration() == 13
+    assert_bitwise_equal(straight, run.losses, range(13, 15))
+
+
+def test_a_full_local_disk_skips_the_local_save_on_every_rank_and_training_continues(
+    base, straight, tmp_path
+):
+    """Rank 1's local disk is full from its local save of 14 on (ENOSPC in ``torch.save``): the
+    local save of 14 is skipped on every rank with one line naming the directory and the space
+    needed, training goes on bitwise, and local 12 stays the newest complete local checkpoint."""
+    work = copy_of(base, tmp_path / "work")
+    run = run_pretrain(
+        work,
+        *SCHEDULE,
+        *tiers(work),
+        "--exit-interval",
+        "14",
+        entry=FAULTS_ENTRY,
+        env={"MEGATRON_TEST_LOCAL_DISK_FULL": "rank=1,iteration=14"},
+    )
+    assert run.first_iteration() == 13
+    assert_bitwise_equal(straight, run.losses, range(13, 15))
+    skipped = [ln for ln in run.output.splitlines() if "local save of iteration 14 skipped" in ln]
+    assert len(skipped) == 2, run.output[-4000:]
+    for ln in skipped:
+        assert "on every rank: rank 1 could not write" in ln, ln
+        assert "rank 0" not in ln.split("skipped", 1)[1], ln
+        assert str(work / "local" / "1") in ln and "No space left on device" in ln, ln
+        assert "MB needed" in ln and "training continues" in ln, ln
+    for rank in (0, 1):
+        d = work / "local" / str(rank)
+        assert sorted(p.name for p in d.iterdir()) == [
+            "iter_0000012_0_local.pt",
+            "iter_0000012_1_local.pt",
+        ], rank
+
+
+def test_a_truncated_run_token_is_restored_and_the_local_checkpoint_is_used(
+    base, straight, tmp_path
+):
+    """``local_tier_run_token.json`` cut to half: the identity is not silently a new one (local 12
+    would be rejected as another run's); the token comes back from local 12's identity record,
+    with one line, and the run resumes at 13, bitwise."""
+    work = copy_of(base, tmp_path / "work")
+    token_file = work / "ckpt" / "local_tier_run_token.json"
+    token = json.loads(token_file.read_text())["run_token"]
+    token_file.write_text(token_file.read_text()[:20])
+    run = resume(work)
+    restored = [ln for ln in run.output.splitlines() if "restored run token" in ln]
+    assert len(restored) == 1, run.output[-3000:]
+    assert "local_tier_run_token.json is unreadable" in restored[0], restored
+    assert f"restored run token {token[:8]}... from " in restored[0], restored
+    assert "written by another run" not in run.output
+    assert run.first_iteration() == 13
+    assert_bitwise_equal(straight, run.losses, range(13, 15))
+    assert json.loads(token_file.read_text())["run_token"] == token
+
+
+def test_repair_uses_any_verified_copy_whatever_replication_wrote_it(tmp_path):
+    """4 ranks, local checkpoints replicated with ``--replication-jump 1`` (cliques {0,1},{2,3});
+    rank 1's local directory is lost; the restart uses ``--replication-jump 2`` (cliques {0,2},
+    {1,3}), under which no clique holds rank 1's shard. The repair takes the replica rank 0 holds
+    (before: a fallback to persistent 5, iterations 6-8 lost), the resumed state is proven equal to
+    the saved one, and the next save replicates with the new settings."""
+    four = ["--global-batch-size", "8", "--train-iters", "16", "--save-interval", "5"]
+
+    def tiers4(jump: str) -> list[str]:
+        args = [*four, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+        args += ["--ckpt-format", "torch_dist"]
+        args += local_tier_args(2, tmp_path / "local", replication=False)
+        return [*args, "--replication", "--replication-jump", jump, "--replication-factor", "2"]
+
+    run_pretrain(tmp_path, *tiers4("1"), "--exit-interval", "8", nproc=4)
+    assert sorted(p.name for p in (tmp_path / "local" / "0").iterdir()) == [
+        "iter_0000008_0_local.pt",
+        "iter_0000008_1_local.pt",
+    ]
+    shutil.rmtree(tmp_path / "local" / "1")
+    run = run_pretrain(tmp_path, *tiers4("2"), "--exit-interval", "12", nproc=4)
+    lines = start_lines(run.output)
+    (l1,) = lines[1]
+    assert "iteration 8: repaired from rank 0's replica on host" in l1, l1
+    assert run.first_iteration() == 9, run.output[-3000:]
+    assert "[resume-proof] iteration 8: " in run.output
+    assert "equal to the saved state (local tier" in run.output
+    assert sorted(p.name for p in (tmp_path / "local" / "1").iterdir()) == [
+        "iter_0000012_1_local.pt",
+        "iter_0000012_3_local.pt",
+    ]

@@ -9,7 +9,9 @@ Environment variables (none set: nothing is installed):
 * ``MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD=K``: NaN weights after a local-tier resume, and
   ``MEGATRON_TEST_ABORT_ASYNC_SAVE=K``: abort async checkpointing (:func:`install_from_env`);
 * ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``: ``SIGKILL`` during a local save
-  (:func:`parse_local_save_kill`, :func:`install_local_save_kill`).
+  (:func:`parse_local_save_kill`, :func:`install_local_save_kill`);
+* ``MEGATRON_TEST_LOCAL_DISK_FULL="rank=R,iteration=K"``: rank ``R``'s local disk is full from
+  its local save of ``K`` on (:func:`install_local_disk_full`).
 
 Every replacement goes through :mod:`megatron.overlay.registry` (owner ``fault_injection``);
 :func:`uninstall` restores them. Messages are printed as ``[fault-injection] ...`` lines.
@@ -33,6 +35,7 @@ ENV_FAULT = "MEGATRON_TEST_FAULT"
 ENV_NAN = "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"
 ENV_KILL_LOCAL_SAVE = "MEGATRON_TEST_KILL_IN_LOCAL_SAVE"
 ENV_ABORT_ASYNC = "MEGATRON_TEST_ABORT_ASYNC_SAVE"
+ENV_DISK_FULL = "MEGATRON_TEST_LOCAL_DISK_FULL"
 #: Moments of a local save at which ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` can kill, in save order.
 LOCAL_SAVE_MOMENTS = ("replicate", "write", "rename", "cleanup")
 DEFAULT_WRITE_FRACTION = 0.5
@@ -219,6 +222,10 @@ def install_from_env(args) -> None:
         _install_train_step(args, fault, nan_at)
     if kill is not None and "local_manager" not in _installed:
         install_local_save_kill(kill)
+    full_spec = os.environ.get(ENV_DISK_FULL)
+    if full_spec and "local_disk_full" not in _installed:
+        full = parse_fault(full_spec)
+        install_local_disk_full(full["rank"], full["iteration"])
     abort_spec = os.environ.get(ENV_ABORT_ASYNC)
     if abort_spec and "abort_async" not in _installed:
         if not abort_spec.isdigit() or not getattr(args, "async_save", False):
@@ -544,3 +551,64 @@ def install_local_save_kill(kill: dict) -> type:
     )
     _installed["local_manager"] = base
     return FaultInjectingLocalCheckpointManager
+
+
+def install_local_disk_full(rank_k: int, iter_k: int) -> type:
+    """Replace ``local_manager.LocalCheckpointManager`` (whatever class it is now) by a subclass in
+    which rank ``rank_k``'s local disk is full from its local save of ``iter_k`` on: in every
+    ``_save`` of an iteration >= ``iter_k`` there, ``torch.save`` into the ``.dirty`` file writes
+    half of its bytes, then raises ``OSError(ENOSPC)``, as a full file system does. Returns the
+    new class."""
+    import errno
+
+    import torch
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
+
+    base = local_manager.LocalCheckpointManager
+
+    class DiskFullLocalCheckpointManager(base):
+        """Test-only (:mod:`tests.helpers.fault_injection`): a full local disk on one rank."""
+
+        def _save(self, state_dict, ckpt_id, *a, **kw):
+            if not (ckpt_id[0] >= iter_k and _rank() == rank_k):
+                return super()._save(state_dict, ckpt_id, *a, **kw)
+            upstream_save = torch.save
+
+            @wraps_upstream(upstream_save)
+            def torch_save_disk_full(obj, f, *sa, **skw):
+                """Test-only: ``torch.save`` into a ``.dirty`` file on a full disk."""
+                path = _is_dirty_target(f)
+                if path is None:
+                    return upstream_save(obj, f, *sa, **skw)
+                buf = io.BytesIO()
+                upstream_save(obj, buf, *sa, **skw)
+                data = buf.getvalue()
+                if isinstance(f, (str, os.PathLike)):
+                    with open(f, "wb") as out:
+                        out.write(data[: len(data) // 2])
+                else:
+                    f.write(data[: len(data) // 2])
+                write_line(f"[fault-injection] rank {_rank()}: disk full writing {path}")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+            during = Patcher("fault_injection")
+            during.replace(
+                torch,
+                "save",
+                torch_save_disk_full,
+                f"test-only: the local disk of rank {rank_k} is full ({ENV_DISK_FULL}).",
+            )
+            try:
+                return super()._save(state_dict, ckpt_id, *a, **kw)
+            finally:
+                during.restore()
+
+    DiskFullLocalCheckpointManager.__qualname__ = f"DiskFull[{base.__qualname__}]"
+    _PATCHER.replace(
+        local_manager,
+        "LocalCheckpointManager",
+        DiskFullLocalCheckpointManager,
+        f"test-only: a full local disk on one rank ({ENV_DISK_FULL}).",
+    )
+    _installed["local_disk_full"] = base
+    return DiskFullLocalCheckpointManager

@@ -5,6 +5,7 @@ finiteness and identity records and whose loads go through the collective resolu
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import uuid
@@ -13,6 +14,9 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
+    CheckpointingException,
+)
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
     LocalCheckpointManager,
 )
@@ -39,6 +43,40 @@ from megatron.training_ext.local_tier.common import (
 )
 from megatron.training_ext.local_tier.markers import clear_marker
 from megatron.training_ext.local_tier.resolve import LocalCopy, LocalTierResolution, Resolution
+
+
+def _is_write_failure(e: RuntimeError) -> bool:
+    """torch.save's writer reports a failed write (ENOSPC, EIO) as a RuntimeError
+    (``[enforce fail at inline_container.cc] . unexpected pos ...``, ``file write failed``)."""
+    text = str(e)
+    return "inline_container" in text or "write failed" in text or "unexpected pos" in text
+
+
+def _write_error_text(directory, ckpt_id, state_dict, e: Exception) -> str:
+    """``rank R could not write DIR (what): about N MB needed, M MB free``."""
+    import errno
+    import shutil
+
+    try:
+        need = sum(t.numel() * t.element_size() for t in state_dict.tensors)
+    except Exception:  # noqa: BLE001 - hollow or foreign state dict: size unknown
+        need = 0
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    what = (
+        os.strerror(e.errno)
+        if isinstance(e, OSError) and e.errno
+        else "No space left on device"
+        if free is not None and need and free < need
+        else exc_text(e)
+    )
+    room = f"about {need / 1e6:.1f} MB needed" if need else "size unknown"
+    room += f", {free / 1e6:.1f} MB free" if free is not None else ""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        what = "No space left on device"
+    return f"rank {process_rank()} could not write {directory} ({what}: {room})"
 
 
 class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManager):
@@ -73,6 +111,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         self._identity: Optional[tuple] = None
         self._saved = False
         self._loads_served = 0
+        self._set_aside: List[tuple] = []  # (iteration, path) this run must not use (resolve)
         self.timings: dict[
             str, float
         ] = {}  # seconds of the start: total, headers, own_primary, agree, repair, identity
@@ -89,7 +128,15 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             return self._identity
         args = megatron_args()
         st = common.STATE
-        token = local_identity.run_token(getattr(args, "save", None), create=process_rank() == 0)
+        try:
+            token = local_identity.run_token(
+                getattr(args, "save", None), create=process_rank() == 0
+            )
+        except local_identity.RunTokenError:
+            if process_rank() == 0:  # checked at start; damaged since: never a new identity
+                raise
+            token = None  # rank 0's identity is the one every rank agrees on
+
         run_id, source, settings = local_identity.run_identity(
             args, token, st.settings if st is not None else None
         )
@@ -145,7 +192,28 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
                 socket.gethostname(),
             ),
         )
-        return super().save(state_dict, iteration, is_async)
+        self._write_error = None
+        self._saving_iteration = iteration
+        try:
+            return super().save(state_dict, iteration, is_async)
+        except CheckpointingException as e:  # raised by the finalization on every rank together
+            errors = [w for w in gather_objects(self._write_error) if w is not None]
+            if not errors:
+                raise
+            self._skip_failed_save(iteration, errors, e)
+            return None
+
+    def _skip_failed_save(self, iteration: int, errors: List[str], e: Exception) -> None:
+        """Every rank, after a local save that some rank could not write (NVRx removed the files of
+        ``iteration`` everywhere; the previous local checkpoint is intact): one line, training goes
+        on with the persistent tier as the fallback until a local save succeeds."""
+        say(
+            f"local save of iteration {iteration} skipped on every rank: "
+            + "; ".join(errors[:4])
+            + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")
+            + f"; training continues (until a local save succeeds, a restart resumes from the "
+            f"newest complete local or persistent checkpoint) [{exc_text(e)}]"
+        )
 
     def _save(self, state_dict, ckpt_id):
         if self.repl_strategy is None:
@@ -170,10 +238,26 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
                 "local checkpoint: replacing the leftover %s of an interrupted save", stale
             )
             stale.unlink(missing_ok=True)
-        return super()._save(state_dict, ckpt_id)
+        try:
+            return super()._save(state_dict, ckpt_id)
+        except (OSError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not _is_write_failure(e):
+                raise
+            # a full or failing local disk: not raised, or this rank would leave the others in
+            # the save's barrier; the finalization (find_latest -> _withdraw_failed_save) then
+            # fails the save on every rank, and save() above names this rank's error
+            stale.unlink(missing_ok=True)
+            self._write_error = _write_error_text(self.local_ckpt_dir, ckpt_id, state_dict, e)
+            logger.warning("local checkpoint %s not written: %s", ckpt_id, self._write_error)
+            return None
+
+    _write_error: Optional[str] = None
 
     def _cleanup(self, iteration):
+        """After the local save of ``iteration`` completed: NVRx removes the older files; then the
+        files set aside at start go (:meth:`drop_set_aside`), and the bad-tier marker."""
         result = super()._cleanup(iteration)
+        self.drop_set_aside(iteration)
         clear_marker(self, iteration)
         return result
 
@@ -188,7 +272,32 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
                     removed.append(p.name)
         return removed
 
+    def _withdraw_failed_save(self) -> None:
+        """Collective, in the finalization of a local save (NVRx's ``find_latest``): when any rank
+        could not write a file of the iteration being saved (:attr:`_write_error`, or its own shard
+        missing, as after a failed ``--async-save`` write), every rank removes its files of that
+        iteration, so the save counts as failed everywhere and the previous local checkpoint, with
+        all its copies, is kept (NVRx alone would count a shard held only as another rank's replica
+        as saved and remove the previous checkpoint)."""
+        iteration = self._saving_iteration
+        if iteration is None:
+            return
+        self._saving_iteration = None
+        own = self._local_ckpt_path_from_id(self._ckpt_id(iteration), False)
+        own_missing = not own.exists()
+        if not any(gather_objects(self._write_error is not None or own_missing)):
+            return
+        for ckpt_id in self._my_ckpt_ids():
+            if ckpt_id[0] == iteration:
+                self._local_ckpt_path_from_id(ckpt_id, False).unlink(missing_ok=True)
+        if self._write_error is None and own_missing:
+            self._write_error = f"rank {self.rank}: its own shard {own} is missing after the save"
+
+    _saving_iteration: Optional[int] = None
+
     def find_latest(self):
+        if self._saved and self.latest_iteration == -1:
+            self._withdraw_failed_save()
         if (
             self._saved
             or common.STATE is None

@@ -5,8 +5,6 @@ shards are repaired from verified replicas, or why the tier is rejected for the 
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import time
 import uuid
@@ -17,12 +15,11 @@ from typing import Any, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron.integrity import local_identity, local_layout
+from megatron.integrity import local_identity, local_layout, persistent_dirs
 from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.checks import strategy_verifies, verify_state_dict
 from megatron.training_ext.local_tier.common import (
     MARKER_NAME,
-    QUARANTINE_DIR,
     exc_text,
     gather_objects,
     logger,
@@ -86,18 +83,16 @@ def _no_verified_copy(owner: int, copies: List[LocalCopy]) -> str:
     return f"no verified copy of rank {owner}'s shard ({shorten(detail, 500)})"
 
 
-def _persistent_iteration(load_dir: Optional[str]) -> Optional[int]:
-    """The newest persistent iteration per upstream's tracker file (no collectives)."""
+def _persistent_iteration(load_dir: Optional[str], args) -> Optional[int]:
+    """The persistent iteration upstream's load will use: ``--ckpt-step`` (also as set by the
+    persistent tier when the tracker is overruled), else the tracker's (no collectives)."""
     if not load_dir:
         return None
-    from megatron.training import checkpointing
-
-    try:
-        with open(checkpointing.get_checkpoint_tracker_filename(load_dir)) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+    step = getattr(args, "ckpt_step", None)
+    if step:
+        return int(step)
+    tracker = persistent_dirs.read_tracker(load_dir)
+    return None if tracker.release else tracker.iteration
 
 
 def _markers_reason(reports: List[_Report]) -> Optional[str]:
@@ -134,7 +129,7 @@ class LocalTierResolution:
             identity,
             uuid.uuid4().hex,
             read_marker(self.local_ckpt_dir),
-            _persistent_iteration(load_dir),
+            _persistent_iteration(load_dir, args),
             copies,
             leftovers,
         )
@@ -269,7 +264,6 @@ class LocalTierResolution:
         if missing:
             why_not.append(f"iteration {it}: " + "; ".join(missing))
             return None
-        strategy = self.repl_strategy
         my_id = self._ckpt_id(it)
         pending = [
             c for c in copies if c.holder == c.owner and c.problem is None and not c.bytes_verified
@@ -289,7 +283,7 @@ class LocalTierResolution:
             for o in range(world)
             if not any(c.problem is None and c.holder == o for c in by_owner.get(o, []))
         )
-        if need and strategy is None:
+        if need and not self._can_repair():
             why_not.append(
                 f"iteration {it}: rank(s) {need} have no usable primary and there is no "
                 f"replication to repair from: "
@@ -320,9 +314,14 @@ class LocalTierResolution:
         finally:
             self.timings["repair"] = time.perf_counter() - t_repair
 
+    def _can_repair(self) -> bool:
+        return self.repl_strategy is not None or _world_clique() is not None
+
     def _repair_attempts(self, it, by_owner, need, hosts, loaded, why_not, notes, all_copies, t0):
         me = process_rank()
-        strategy = self.repl_strategy
+        # every rank in one clique: a verified copy is used wherever it is, whatever replication
+        # settings wrote it (the run's own cliques reach only the ranks of its groups)
+        strategy = _world_clique() or self.repl_strategy
         my_id = self._ckpt_id(it)
         clique = list(getattr(strategy.local_group, "ranks", range(dist.get_world_size())))
         for _attempt in range(4):
@@ -430,7 +429,8 @@ class LocalTierResolution:
         extra = list(notes)
         if bad:
             extra.append(
-                f"moved {len(bad)} bad replica(s) to {QUARANTINE_DIR}/: "
+                f"set aside {len(bad)} bad replica(s) (deleted when this run's first local save "
+                f"completes): "
                 + "; ".join(f"rank {c.owner}'s shard: {shorten(c.problem, 200)}" for c in bad)
             )
         tm = self.timings
@@ -448,31 +448,37 @@ class LocalTierResolution:
         return Resolution(it, sd, cid, line)
 
     def _quarantine(self, keep: Optional[int] = None, bad: Sequence[LocalCopy] = ()) -> int:
-        """Move this rank's local files into ``rejected/``: every file when ``keep`` is None, else
-        the files of iterations newer than ``keep`` and the ``bad`` copies of ``keep``."""
+        """Set aside this rank's local files that this run must not use: every file when ``keep``
+        is None, else the files of iterations newer than ``keep`` and the ``bad`` copies of
+        ``keep``. Nothing is moved or deleted now: a start that fails or is refused leaves them
+        for the next start to consider again; :meth:`drop_set_aside` deletes them once this
+        run's first local save has completed on every rank. Returns how many were set aside."""
         d = Path(self.local_ckpt_dir)
         if not d.is_dir():
             return 0
         bad_names = {self._filename_from_template(c.iteration, c.owner) for c in bad}
-        moving = []
         for p in d.iterdir():
             parsed = local_layout.parse_local_name(p.name)
             if parsed is None or not p.is_file():
                 continue
             if keep is None or parsed[0] > keep or p.name in bad_names:
-                moving.append(p)
-        if not moving:
-            return 0
-        rejected = d / QUARANTINE_DIR
-        if rejected.exists() and not self._quarantined_once:
-            shutil.rmtree(rejected, ignore_errors=True)
-        self._quarantined_once = True
-        rejected.mkdir(parents=True, exist_ok=True)
-        for p in moving:
-            os.replace(p, rejected / p.name)
-        return len(moving)
+                self._set_aside.append((parsed[0], p))
+        return len(self._set_aside)
 
-    _quarantined_once = False
+    def drop_set_aside(self, saved_iteration: int) -> int:
+        """After the local save of ``saved_iteration`` completed on every rank: delete the files
+        :meth:`_quarantine` set aside (not those the save just rewrote under the same name).
+        Returns how many."""
+        dropped = 0
+        for it, p in self._set_aside:
+            if it != saved_iteration:
+                try:
+                    p.unlink()
+                    dropped += 1
+                except FileNotFoundError:
+                    pass
+        self._set_aside = []
+        return dropped
 
     def _fall_back(self, reason: Optional[str], load_dir, persistent, notes) -> Resolution:
         """Every rank: this process does not use the local tier; quarantine, say why (one line)."""
@@ -488,8 +494,8 @@ class LocalTierResolution:
         extra = list(notes)
         if moved:
             extra.append(
-                f"{moved} local checkpoint file(s) moved to "
-                f"{Path(self.local_ckpt_dir) / QUARANTINE_DIR}"
+                f"{moved} local checkpoint file(s) set aside (left in place until this run's "
+                f"first local save completes)"
             )
         if reason is None:
             line = f"no local checkpoint in {self.local_ckpt_dir} -> loading {target}"
@@ -498,3 +504,14 @@ class LocalTierResolution:
             line = f"local checkpoint tier rejected: {reason} -> loading {target}"
         say(line + "".join(f"; {n}" for n in extra))
         return Resolution(-1, line=line)
+
+
+def _world_clique() -> Any:
+    """A clique of every rank for the repair, of the class NVRx's name binds now (the replication
+    fix's subclass when that fix is active, so replicas are checksum-verified on receipt); ``None``
+    without NVRx's replication module. Builds no process group (the world group is wrapped)."""
+    try:
+        from nvidia_resiliency_ext.checkpointing.local.replication import strategies
+    except ImportError:  # pragma: no cover - NVRx without replication
+        return None
+    return strategies.CliqueReplicationStrategy(dist.group.WORLD, target_device="cpu")
