@@ -30,6 +30,11 @@ Every rank spawns one at its first ``torch_dist`` save: the ``Manager`` of megat
 ``filesystem_async.get_write_results_queue``. Skipping the imports there saves each rank seconds
 of CPU and the memory of a second copy of upstream's modules (README, "Performance")."""
 
+if SPAWNED:  # a rank's helper: killed when the rank dies, even by SIGKILL
+    from megatron.training_ext import lifetime
+
+    lifetime.die_with_parent()
+
 if not SPAWNED:
     from functools import partial
 
@@ -212,6 +217,9 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def main() -> None:
+    from megatron.training_ext import lifetime
+
+    lifetime.helpers_die_with_this_process()  # no checkpoint worker outlives this rank
     args = arg_errors.parse_and_validate_args(  # upstream's; its bare asserts become messages
         parse_and_validate_args,
         fork_args.entrypoint_parser,

@@ -33,6 +33,10 @@ from megatron.overlay.registry import Patcher, wraps_upstream
 if __name__ != "__mp_main__":  # as pretrain_gpt.SPAWNED: spawned processes need none of these
     import pretrain_gpt  # (imports upstream's training modules)
     from tests.helpers import fault_injection
+else:  # a rank's helper, as in pretrain_gpt.py: killed when the rank dies
+    from megatron.training_ext import lifetime
+
+    lifetime.die_with_parent()
 
 _PATCHER = Patcher("fault_injection")
 

@@ -17,6 +17,7 @@ from tests.helpers.launch import (
     iterations_during_save,
     local_tier_args,
     run_pretrain,
+    run_pretrain_reaped,
     save_timeline,
     start_lines,
 )
@@ -182,6 +183,25 @@ def test_async_save_after_an_abort_is_complete_and_resumes_bitwise(tmp_path, str
     resumed = run_pretrain(tmp_path, "--load", str(tmp_path / "ckpt"), "--async-save")
     assert resumed.first_iteration() == 11
     assert_bitwise_equal(straight, resumed.losses, RESUMED)
+
+
+def test_async_save_helpers_die_with_their_rank(tmp_path):
+    """No process outlives its rank: rank 0 of an ``--async-save`` run crashes after the async
+    save of 5 started its persistent checkpoint worker (and the write-results Manager); every
+    process of the run is gone within seconds (megatron.training_ext.lifetime). Upstream's helpers
+    stop only through the rank's atexit, so a killed rank left 5 processes under init holding
+    1.87 GB (the guard: tests/unit_tests/training_ext/test_lifetime.py)."""
+    run = run_pretrain_reaped(
+        tmp_path,
+        *("--save", str(tmp_path / "ckpt"), "--save-interval", "5", "--async-save"),
+        env={"MEGATRON_TEST_FAULT": "rank=0,iteration=7"},
+        entry=FAULTS_ENTRY,
+        check=False,
+        settle_s=5.0,
+    )
+    assert run.returncode != 0 and max(run.losses) == 7, run.output[-3000:]
+    assert ("scheduled", 5) in save_timeline(run.output)  # the worker was running
+    assert run.leftovers == []
 
 
 def test_indexed_dataset_trains(tmp_path):

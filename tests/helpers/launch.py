@@ -352,10 +352,13 @@ def run_pretrain_reaped(
     check: bool = True,
     entry: Path = ENTRY,
     launcher: str | None = None,
+    settle_s: float = 0.0,
 ) -> ReapedRun:
     """:func:`run_pretrain` for runs in which a rank may be killed: output goes to a file
     (``<loss_file stem>.out`` in ``workdir``) and the call returns when the launcher exits, then
-    ends whatever the run left running (see :data:`TAG_ENV`); they are listed in ``leftovers``."""
+    ends whatever the run left running (see :data:`TAG_ENV`); they are listed in ``leftovers``.
+    ``settle_s``: first give the run's processes up to that many seconds to exit by themselves (a
+    helper killed with its rank takes a moment to go)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / loss_file
     if log.exists():
@@ -381,6 +384,7 @@ def run_pretrain_reaped(
                 f"{out_path.read_text(errors='replace')[-6000:]}"
             ) from None
         returncode = 0 if all(c == 0 for c in codes) else 1
+        _settle(tag, settle_s)
         leftovers = kill_tagged(tag)
         output = out_path.read_text(errors="replace")
         losses = loss_log.read(str(log)) if log.exists() else {}
@@ -409,6 +413,7 @@ def run_pretrain_reaped(
             f"pretrain_gpt.py did not finish within {timeout:.0f} s:\n"
             f"{out_path.read_text(errors='replace')[-6000:]}"
         ) from None
+    _settle(tag, settle_s)
     leftovers = kill_tagged(tag)
     output = out_path.read_text(errors="replace")
     losses = loss_log.read(str(log)) if log.exists() else {}
@@ -416,6 +421,12 @@ def run_pretrain_reaped(
     if check:
         assert returncode == 0, f"pretrain_gpt.py failed ({returncode}):\n{output[-6000:]}"
     return result
+
+
+def _settle(tag: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while seconds and tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def local_files(root: Path) -> dict[int, list[str]]:
