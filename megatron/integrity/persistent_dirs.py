@@ -79,12 +79,19 @@ def read_tracker(root: Union[str, os.PathLike]) -> Tracker:
 
 
 def is_complete(d: Union[str, os.PathLike]) -> bool:
-    """Whether iteration directory ``d`` holds a finished ``torch_dist`` save: ``.metadata``
-    (written by the coordinator after every rank's files) and ``metadata.json`` (the sharded
-    backend). Its bytes are verified at load, not here."""
-    return os.path.isfile(os.path.join(d, ".metadata")) and os.path.isfile(
-        os.path.join(d, "metadata.json")
-    )
+    """Whether iteration directory ``d`` holds a finished save: DCP's ``.metadata`` (written by
+    the coordinator after every rank's files; ``torch_dist`` and ``fsdp_dtensor``), or the
+    ``torch`` format's ``mp_rank_*/model_optim_rng.pt``. Its bytes are verified at load, not
+    here."""
+    if os.path.isfile(os.path.join(d, ".metadata")):
+        return True
+    try:
+        return any(
+            n.startswith("mp_rank_") and os.path.isfile(os.path.join(d, n, "model_optim_rng.pt"))
+            for n in os.listdir(d)
+        )
+    except OSError:
+        return False
 
 
 def complete_iterations(root: Union[str, os.PathLike]) -> List[int]:

@@ -329,7 +329,7 @@ def resume_point(load_dir: Optional[str]) -> tuple:
     if newest is None:
         raise SystemExit(
             f"pretrain_gpt.py: {why}, and {load_dir} holds no complete checkpoint (iter_<N> with "
-            f".metadata and metadata.json) to resume from. Restore the checkpoint, or remove "
+            f"a finished save: .metadata) to resume from. Restore the checkpoint, or remove "
             f"{path} to start from scratch in {load_dir}"
         )
     return newest, (
