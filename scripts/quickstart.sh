@@ -72,4 +72,8 @@ step verified "local checkpoint 16 (written after the recovery): every shard's p
 step finished "checkpoints: $work/ckpt (persistent), $work/local/<rank> (local); losses: $work/losses.jsonl"
 ls tb/events.out.tfevents.* > /dev/null 2>&1 || fail "TensorBoard (no event file in $work/tb)" part2.log
 step "" "TensorBoard: $work/tb (view: $py -m tensorboard.main --logdir $work/tb)"
-step "" "full logs: $work/{setup,preprocess,part1,part2,verify}.log"
+"$py" "$repo/tools/plot_losses.py" losses.jsonl --label "quick start" -o losses.png \
+  --title "quick start: rank 1's local checkpoint lost at 12, recovered from its replica" > plot.log 2>&1 \
+  || fail "plotting the losses" plot.log
+step "" "loss curves: $work/losses.png ($(sed -n 's/^quick start: [0-9]* launch(es), //p' plot.log); tools/plot_losses.py)"
+step "" "full logs: $work/{setup,preprocess,part1,part2,verify,plot}.log"

@@ -3,15 +3,19 @@
 Wraps upstream's ``megatron.training.training.training_log`` (called once per iteration by
 ``train()`` with the DP-reduced losses) and appends one JSON line per iteration (wrapped here)::
 
-    {"iteration": 11, "lm loss": "0x1.7d5e2ep+2", "lm loss (decimal)": 5.958,
-     "grad norm": "0x1.3p+0", ...}
+    {"iteration": 11, "skipped": 0, "launch": "1796418000-4242", "lm loss": "0x1.7d5e2ep+2",
+     "lm loss (decimal)": 5.958, "grad norm": "0x1.3p+0", ...}
 
-Floats are written with ``float.hex`` so that two runs can be compared bit for bit.
+Floats are written with ``float.hex`` so that two runs can be compared bit for bit. ``launch``
+(start time in seconds and pid of the logging process) tells the launches of one run apart, also
+when a resume lost no iteration (``tools/plot_losses.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import torch
 
@@ -19,6 +23,15 @@ from megatron.overlay import Patch, Patcher, wraps_upstream
 
 _installed: dict[str, object] = {}
 _PATCHER = Patcher("loss_log")
+_launch: dict[int, str] = {}  # pid -> this launch's id (a forked rank gets its own)
+
+
+def _launch_id() -> str:
+    pid = os.getpid()
+    if pid not in _launch:
+        _launch.clear()
+        _launch[pid] = f"{int(time.time())}-{pid}"
+    return _launch[pid]
 
 
 def _as_float(value) -> float | None:
@@ -55,7 +68,11 @@ def wrap_training_log(upstream):
             or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         )
         if rank_ok and loss_dict:
-            record: dict[str, object] = {"iteration": int(iteration), "skipped": int(skipped_iter)}
+            record: dict[str, object] = {
+                "iteration": int(iteration),
+                "skipped": int(skipped_iter),
+                "launch": _launch_id(),
+            }
             for key, value in list(loss_dict.items()) + [("grad norm", grad_norm)]:
                 v = _as_float(value)
                 if v is not None:

@@ -122,6 +122,8 @@ def _check_quickstart(clone: Path, out: str) -> None:
         assert (work / f"{log}.log").stat().st_size > 0
     assert f"TensorBoard: {work / 'tb'} (view: " in out, out
     assert len(list((work / "tb").glob("events.out.tfevents.*"))) == 2  # one per launch
+    assert "(iterations 1-20; resumed at 12 after 12 (0 iterations lost); " in out, out
+    assert (work / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 CHECKS = {
