@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import sys
 
+from megatron.overlay import quiet
+
+if "--cpu" in sys.argv:  # before upstream is imported: its CPU-path warnings, behind one line
+    quiet.hide_known_warnings(announce=__name__ == "__main__")
+
 import megatron.fixes
 from megatron.training_ext import arg_errors
 from megatron.training_ext import args as fork_args

@@ -18,6 +18,7 @@ import logging
 import sys
 
 from megatron.fixes import apply, fixes
+from megatron.overlay import quiet
 from megatron.overlay.registry import REGISTRY
 
 #: Entry-point group of the components above the fixes (the CPU backend, the training hooks):
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         help="install and list the fixes only (no CPU backend, no training hooks)",
     )
     opts = parser.parse_args(argv)
+    quiet.hide_known_warnings(announce=False)  # the listing alone, not upstream's import notices
     logging.basicConfig(level=logging.WARNING)
     statuses = apply(strict=False)
     if not opts.fixes_only:

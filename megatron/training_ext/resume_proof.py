@@ -667,7 +667,11 @@ def _wrap_generate_state_dict(orig):
         state_dict = orig(*a, **kw)
         st = _STATE
         if st is not None and st.pending is not None and isinstance(state_dict, dict):
-            state_dict[STATE_KEY] = json.dumps(st.pending)
+            # without this rank's ``seconds``: the common state must be equal on every rank
+            # (upstream's validation warns when it is not)
+            state_dict[STATE_KEY] = json.dumps(
+                {k: v for k, v in st.pending.items() if k != "seconds"}
+            )
         return state_dict
 
     return generate_state_dict

@@ -218,3 +218,14 @@ def test_every_probe_gives_its_verdict_on_this_upstream():
         part: "STANDS_ASIDE" if fix in aside else "ACTIVE" for part, (fix, _, _) in verdicts.items()
     }
     assert {part: v[1] for part, v in verdicts.items()} == expected, verdicts
+
+
+@pytest.mark.slow
+def test_cli_prints_the_listing_alone(fixes_cli):
+    """No warning line before the listing: upstream's known-harmless import notices are hidden
+    (megatron.overlay.quiet) and the fixes' probes cause none of their own."""
+    out = fixes_cli["text"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = [ln for ln in out.stderr.splitlines() if "Warning" in ln or "warnings.warn" in ln]
+    assert not warned, "\n".join(warned)
+    assert out.stdout.startswith("replication: "), out.stdout[:500]
