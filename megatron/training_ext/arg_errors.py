@@ -46,7 +46,8 @@ def mistake(line: str) -> ArgumentMistake:
     more (``str()`` of it is still the line)."""
     mistake = ArgumentMistake(line)
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1:
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write: two ranks' lines cannot interleave
+        sys.stderr.flush()
         time.sleep(LINGER_S)
         mistake.code = 1
     return mistake
