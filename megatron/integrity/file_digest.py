@@ -14,7 +14,15 @@ from typing import Iterable, Sequence, Tuple, Union
 
 import xxhash
 
-__all__ = ["ALGORITHM", "BLOCK_BYTES", "VERSION", "FileDigest", "hash_file", "sha256_file"]
+__all__ = [
+    "ALGORITHM",
+    "BLOCK_BYTES",
+    "VERSION",
+    "FileDigest",
+    "file_digest",
+    "hash_file",
+    "sha256_file",
+]
 
 ALGORITHM = "xxh3-64-blocks"
 VERSION = 1
@@ -33,7 +41,9 @@ class FileDigest:
     digest: str
 
 
-def _file_digest(size: int, blocks: Sequence[str]) -> str:
+def file_digest(size: int, blocks: Sequence[str]) -> str:
+    """The file digest of ``xxh3-64-blocks`` v1: xxh3-128 hex of the algorithm, ``size`` (bytes)
+    and the block digests (hex, in order)."""
     h = xxhash.xxh3_128()
     h.update(f"{ALGORITHM}:{VERSION}:{size}:".encode())
     h.update("".join(blocks).encode())
@@ -79,7 +89,7 @@ def hash_file(path: Union[str, os.PathLike], block_bytes: int = BLOCK_BYTES) -> 
     path = Path(path)
     blocks = [xxhash.xxh3_64_hexdigest(b) for b in _blocks(path, block_bytes)]
     size = path.stat().st_size
-    return FileDigest(size=size, blocks=tuple(blocks), digest=_file_digest(size, blocks))
+    return FileDigest(size=size, blocks=tuple(blocks), digest=file_digest(size, blocks))
 
 
 def sha256_file(path: Path) -> str:

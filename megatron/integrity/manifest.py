@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from megatron.integrity import write_digest
 from megatron.integrity.dcp_metadata import DcpMetadataError, read_dcp_metadata
 from megatron.integrity.file_digest import (
     ALGORITHM,
@@ -140,10 +141,16 @@ class VerifySummary:
 
 
 def _manifest_names(checkpoint_dir: Path) -> List[str]:
-    """Top-level regular files of a checkpoint directory, except the manifest and its temporary."""
+    """Top-level regular files of a checkpoint directory, except the manifest and its temporary
+    and the digest side files of saves (:mod:`megatron.integrity.write_digest`)."""
     out = []
     for e in os.scandir(checkpoint_dir):
-        if e.is_file(follow_symlinks=False) and not e.name.startswith(INTEGRITY_FNAME):
+        name = e.name[: -len(".tmp")] if e.name.endswith(".tmp") else e.name
+        if (
+            e.is_file(follow_symlinks=False)
+            and not e.name.startswith(INTEGRITY_FNAME)
+            and not write_digest.is_side_file(name)
+        ):
             out.append(e.name)
     return sorted(out)
 
@@ -418,12 +425,14 @@ def _rank_world(group=None) -> Tuple[int, int]:
 def save_manifest(
     checkpoint_dir: Union[str, os.PathLike], group=None, block_bytes: int = BLOCK_BYTES
 ) -> float:
-    """Write ``integrity.json`` for the files now in ``checkpoint_dir``. Collective: call on every
-    rank of ``group`` (default: the world) after all ranks finished writing.
+    """Write ``integrity.json`` for the files of the save into ``checkpoint_dir``. Collective:
+    call on every rank of ``group`` (default: the world) after all ranks finished writing.
 
-    Rank ``r`` hashes ``__r_*.distcp`` (the files it wrote, still in its page cache); rank 0 also
-    hashes every other file and any file a rank did not see; rank 0 writes the manifest
-    atomically; a barrier follows.
+    Rank ``r`` records ``__r_*.distcp`` (the files it wrote) as its writer hashed them on their
+    way to disk (:mod:`megatron.integrity.write_digest`), so a file that another save replaced
+    since does not verify; files without such a record (written outside megatron-core's writer)
+    are hashed from disk (still in the page cache). Rank 0 also covers every other file and any
+    file a rank did not see, and writes the manifest atomically; a barrier follows.
 
     Returns:
         This rank's seconds spent.
@@ -436,9 +445,13 @@ def save_manifest(
     rank, world = _rank_world(group)
     names = _manifest_names(d)
     mine = [n for n in names if _owner(n, world) == rank]
+    written = write_digest.take_written(d, mine)
     records: Dict[str, FileDigest] = {}
     errors: List[FileProblem] = []
     for n in mine:
+        if n in written and block_bytes == BLOCK_BYTES:  # the writer hashes BLOCK_BYTES blocks
+            records[n] = written[n]
+            continue
         try:
             records[n] = hash_file(d / n, block_bytes)
         except OSError as e:

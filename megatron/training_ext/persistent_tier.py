@@ -15,6 +15,8 @@ and ``load_common_state_dict`` (package attributes and ``serialization``'s), and
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import functools
 import inspect
 import logging
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from megatron.integrity import manifest as mf
-from megatron.integrity import persistent_dirs
+from megatron.integrity import persistent_dirs, write_digest
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.overlay import Patch, Patcher, alias_of, wraps_upstream
 from megatron.training_ext.console import write_line
@@ -553,6 +555,86 @@ _LOAD_WHY = (
     "every rank together; a missing, damaged or stale tracker is overruled by the newest "
     "complete checkpoint"
 )
+_FSA = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_NVRX_FSA = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+
+
+def _hashing_open(_orig):
+    return write_digest.hashing_open
+
+
+#: Installed in whichever process runs megatron-core's write function (also a spawned worker).
+_OPEN_PATCH = Patch(
+    f"{_FSA}.open",
+    _hashing_open,
+    "the checkpoint writer's data files are hashed as they are written, so integrity.json "
+    "records what this save wrote, not what is on disk later",
+    adds=True,
+)
+_WORKER_PATCHER = Patcher("persistent_tier (writer process)")
+
+
+def write_with_token(token: str, fn, *args, **kwargs):
+    """megatron-core's write function ``fn`` run with its data files hashed as written under
+    ``token`` (:mod:`megatron.integrity.write_digest`), in whatever process runs it: a worker
+    that did not inherit the patch installs it first."""
+    import importlib
+
+    fsa = importlib.import_module(_FSA)
+    if getattr(fsa, "open", None) is not write_digest.hashing_open:
+        _OPEN_PATCH.install(_WORKER_PATCHER)
+    return write_digest.run_with_token(token, fn, *args, **kwargs)
+
+
+def _wrap_get_save_function_and_args(orig):
+    @wraps_upstream(orig)
+    def get_save_function_and_args(self):
+        """Upstream's, with the write function hashing what it writes under a fresh token of
+        this save (megatron.training_ext.persistent_tier)."""
+        if getattr(self, "open_file", None) is builtins.open:  # NVRx's writer: its open hook
+            self.open_file = write_digest.hashing_open
+        save_fn, preload_fn, save_args = orig(self)
+        if save_fn is None:
+            return save_fn, preload_fn, save_args
+        token = write_digest.new_save(self.checkpoint_dir)
+        return functools.partial(write_with_token, token, save_fn), preload_fn, save_args
+
+    return get_save_function_and_args
+
+
+def _wrap_finish(orig):
+    @wraps_upstream(orig)
+    def finish(self, metadata, results):
+        """Upstream's; the ``.metadata`` it pickles is hashed as written
+        (megatron.training_ext.persistent_tier)."""
+        fs = getattr(self, "fs", None)
+        create = getattr(fs, "create_stream", None)
+        if create is None:
+            return orig(self, metadata, results)
+        got = {}
+
+        @contextlib.contextmanager
+        def create_stream(path, mode):
+            with create(path, mode) as raw:
+                if mode != "wb" or os.path.basename(str(path)) != ".metadata.tmp":
+                    yield raw
+                    return
+                f = write_digest.HashingFile(raw, lambda d: None)
+                yield f
+                got["d"] = f.digest_so_far()
+
+        fs.create_stream = create_stream
+        try:
+            out = orig(self, metadata, results)
+        finally:
+            del fs.create_stream
+        if got.get("d") is not None:
+            write_digest.record(self.checkpoint_dir, ".metadata", got["d"])
+        return out
+
+    return finish
+
+
 _DC, _SER = "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.serialization"
 
 #: What :func:`install` replaces, in order.
@@ -580,6 +662,25 @@ PATCHES = tuple(
         ),
     )
 ) + (
+    _OPEN_PATCH,
+    *(
+        p
+        for writer in (_FSA, _NVRX_FSA)  # --async-save uses NVRx's writer, other saves megatron's
+        for p in (
+            Patch(
+                f"{writer}.FileSystemWriterAsync.get_save_function_and_args",
+                _wrap_get_save_function_and_args,
+                "each save's write function hashes its data files as written, under a token of "
+                "that save",
+            ),
+            Patch(
+                f"{writer}.FileSystemWriterAsync.finish",
+                _wrap_finish,
+                "the coordinator's .metadata is hashed as it is written",
+                params=("metadata", "results"),
+            ),
+        )
+    ),
     Patch(
         "megatron.training.checkpointing.read_metadata",
         _wrap_read_metadata,
@@ -642,6 +743,7 @@ def uninstall() -> None:
     """Undo :func:`install` (tests)."""
     global _POLICY
     _PATCHER.restore()
+    _WORKER_PATCHER.restore()
     _VERIFIED.clear()
     _OVERRULED.clear()
     _POLICY = None
