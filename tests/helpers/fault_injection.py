@@ -388,6 +388,23 @@ def _claim(kill: dict) -> bool:
     return True
 
 
+def _serialized(upstream_save, obj, *args, **kwargs) -> bytes:
+    """What ``torch.save(obj, f, ...)`` would write."""
+    buf = io.BytesIO()
+    upstream_save(obj, buf, *args, **kwargs)
+    return buf.getvalue()
+
+
+def _write_prefix(f, data: bytes, n: int) -> None:
+    """Write the first ``n`` bytes of ``data`` to ``f`` (a path or an open binary stream)."""
+    if isinstance(f, (str, os.PathLike)):
+        with open(f, "wb") as out:
+            out.write(data[:n])
+    else:
+        f.write(data[:n])
+        f.flush()
+
+
 def _is_dirty_target(f) -> Optional[str]:
     """The path of ``f`` (a path or a file object with ``name``) if it is a ``.dirty`` file."""
     name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
@@ -462,16 +479,9 @@ def install_local_save_kill(kill: dict) -> type:
                 path = _is_dirty_target(f)
                 if path is None:
                     return upstream_save(obj, f, *sa, **skw)
-                buf = io.BytesIO()
-                upstream_save(obj, buf, *sa, **skw)
-                data = buf.getvalue()
+                data = _serialized(upstream_save, obj, *sa, **skw)
                 n = min(max(int(kill["fraction"] * len(data)), 1), len(data) - 1)
-                if isinstance(f, (str, os.PathLike)):
-                    with open(f, "wb") as out:
-                        out.write(data[:n])
-                else:
-                    f.write(data[:n])
-                    f.flush()
+                _write_prefix(f, data, n)
                 _sigkill(
                     f"rank {_rank()}: SIGKILL {where} (moment write: {n} of {len(data)} "
                     f"bytes (fraction {kill['fraction']}) of {path} written)"
@@ -580,14 +590,8 @@ def install_local_disk_full(rank_k: int, iter_k: int) -> type:
                 path = _is_dirty_target(f)
                 if path is None:
                     return upstream_save(obj, f, *sa, **skw)
-                buf = io.BytesIO()
-                upstream_save(obj, buf, *sa, **skw)
-                data = buf.getvalue()
-                if isinstance(f, (str, os.PathLike)):
-                    with open(f, "wb") as out:
-                        out.write(data[: len(data) // 2])
-                else:
-                    f.write(data[: len(data) // 2])
+                data = _serialized(upstream_save, obj, *sa, **skw)
+                _write_prefix(f, data, len(data) // 2)
                 write_line(f"[fault-injection] rank {_rank()}: disk full writing {path}")
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
