@@ -25,6 +25,7 @@ __all__ = [
     "read_tracker",
     "resolve_persistent_dir",
     "volume",
+    "write_tracker",
 ]
 
 _ITER_DIR = re.compile(r"iter_(\d+)$")
@@ -76,6 +77,20 @@ def read_tracker(root: Union[str, os.PathLike]) -> Tracker:
         return Tracker(True, int(text), False, None)
     shown = text if len(text) <= 40 else text[:40] + "..."
     return Tracker(True, None, False, f"{path} holds {shown!r}, not an iteration number")
+
+
+def write_tracker(root: Union[str, os.PathLike], iteration: int) -> Path:
+    """Point ``root``'s tracker at ``iteration`` (as upstream's save does), atomically: a temporary
+    file renamed over it, so a reader sees the old or the new content, never a torn one.
+
+    Raises:
+        OSError: ``root`` is not writable.
+    """
+    path = Path(root) / TRACKER
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{int(iteration)}\n")
+    os.replace(tmp, path)
+    return path
 
 
 def is_complete(d: Union[str, os.PathLike]) -> bool:

@@ -23,7 +23,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 
 from megatron.integrity import checksums as ck
 from megatron.integrity import local_identity, local_layout
-from megatron.training_ext.local_tier import common
+from megatron.training_ext.local_tier import common, reshard
 from megatron.training_ext.local_tier.checks import (
     finite_flags,
     header_fingerprint,
@@ -349,28 +349,52 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         speculative = max(own_iters) if own_iters else None
         copies, loaded = [], {}
         for it, owner, path in sorted(files, key=lambda x: (-x[0], x[1])):
-            c = LocalCopy(it, owner, me, None)
+            c = self._inspect_file(it, owner, path, me, run_id, settings, topo)
             copies.append(c)
-            try:
-                try:
-                    header = local_identity.read_header(path)
-                except Exception:  # noqa: BLE001 - let torch tell what is wrong with the file
-                    header = torch.load(path, mmap=True, weights_only=False)
-                rec = local_identity.get_identity(header)
-            except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
-                c.problem = f"unreadable: {exc_text(e)}"
-                continue
-            problems = local_identity.identity_problems(rec, run_id, settings, topo, it, owner)
-            if rec is not None:
-                c.run_id, c.token = rec.get("run_id"), rec.get("save_token")
-                if c.run_id != run_id:  # decided collectively against the agreed run id
-                    c.foreign, problems = problems[0], problems[1:]
-            c.problem = "; ".join(problems) or None
-            c.fingerprint = header_fingerprint(header)
-            del header
             if c.problem is None and c.foreign is None and owner == me and it == speculative:
                 self._verify_own(c, loaded)
+        # files in the other rank directories of this host: after a restart at another DP size
+        # rank numbers move between nodes (used only to reshard, see reshard.py)
+        rescan = all(c.saved_topology is not None for c in copies)  # no file of this topology
+        for sub in _sibling_dirs(d) if rescan else ():
+            for p in sub.iterdir():
+                parsed = local_layout.parse_local_name(p.name)
+                if parsed is None or parsed[2] or not p.is_file():
+                    continue
+                c = self._inspect_file(parsed[0], parsed[1], p, me, run_id, settings, topo)
+                if c.saved_topology is not None:
+                    c.sibling = True
+                    copies.append(c)
         return copies, loaded, leftovers
+
+    def _inspect_file(self, it, owner, path, me, run_id, settings, topo) -> LocalCopy:
+        """One local file's header judged against this run (no tensor data read)."""
+        dir_rank = int(path.parent.name) if path.parent.name.isdigit() else None
+        c = LocalCopy(it, owner, me, None, path=str(path), dir_rank=dir_rank)
+        try:
+            try:
+                header = local_identity.read_header(path)
+            except Exception:  # noqa: BLE001 - let torch tell what is wrong with the file
+                header = torch.load(path, mmap=True, weights_only=False)
+            rec = local_identity.get_identity(header)
+        except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
+            c.problem = f"unreadable: {exc_text(e)}"
+            return c
+        problems = local_identity.identity_problems(rec, run_id, settings, topo, it, owner)
+        if rec is not None:
+            c.run_id, c.token = rec.get("run_id"), rec.get("save_token")
+            if c.run_id != run_id:  # decided collectively against the agreed run id
+                c.foreign, problems = problems[0], problems[1:]
+            saved = rec.get("topology")
+            if problems and reshard.dp_only_change(saved, topo) is None:
+                rest = local_identity.identity_problems(rec, run_id, settings, saved, it, owner)
+                if c.foreign is not None:
+                    rest = rest[1:]
+                if not rest:
+                    c.saved_topology = dict(saved)
+        c.problem = "; ".join(problems) or None
+        c.fingerprint = header_fingerprint(header)
+        return c
 
     def _verify_own(self, c: LocalCopy, loaded: dict) -> None:
         """Load this rank's primary ``c`` as upstream does and check it against its checksums and
@@ -393,3 +417,14 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             c.problem = shorten("; ".join(errors), 400)
         else:
             loaded[cid] = (sd, summary)
+
+
+def _sibling_dirs(own: Path) -> List[Path]:
+    """The other ``<rank>/`` directories next to this rank's local checkpoint directory."""
+    root = own.parent
+    if not root.is_dir():
+        return []
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and p.name != own.name),
+        key=lambda p: int(p.name),
+    )

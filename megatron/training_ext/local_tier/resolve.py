@@ -5,6 +5,7 @@ shards are repaired from verified replicas, or why the tier is rejected for the 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import uuid
@@ -16,7 +17,7 @@ from typing import Any, List, Optional, Sequence
 import torch.distributed as dist
 
 from megatron.integrity import local_identity, local_layout, persistent_dirs
-from megatron.training_ext.local_tier import common
+from megatron.training_ext.local_tier import common, reshard
 from megatron.training_ext.local_tier.checks import strategy_verifies, verify_state_dict
 from megatron.training_ext.local_tier.common import (
     MARKER_NAME,
@@ -45,6 +46,10 @@ class LocalCopy:
     fingerprint: Optional[str] = None
     foreign: Optional[str] = None  # why its run id differs from this rank's (which settings)
     bytes_verified: bool = False  # checksums and finiteness checked against the bytes
+    path: Optional[str] = None  # where the holder reads it
+    dir_rank: Optional[int] = None  # the rank directory it is in (== owner: the primary)
+    sibling: bool = False  # in another rank's directory on the holder's host (reshard only)
+    saved_topology: Optional[dict] = None  # set when only the DP size differs (reshard.py)
 
 
 @dataclass
@@ -156,18 +161,20 @@ class LocalTierResolution:
         reason = _markers_reason(reports)
         if reason is not None:
             return self._fall_back(reason, load_dir, persistent, notes)
-        all_copies = [c for r in reports for c in r.copies]
-        for c in all_copies:  # the agreed run id decides for everyone
+        pool = [c for r in reports for c in r.copies]  # with other rank directories' files
+        for c in pool:  # the agreed run id decides for everyone
             if c.problem is None and c.run_id != agreed_run:
                 c.problem = c.foreign or (
                     f"written by another run (run id {c.run_id}, this run "
                     f"{agreed_run}; {local_identity.RUN_ID_FLAG} sets the id "
                     f"explicitly)"
                 )
+        all_copies = [c for c in pool if not c.sibling]
         self.globally_available_ids = [
-            [(c.iteration, c.owner, self.session_id) for c in r.copies] for r in reports
+            [(c.iteration, c.owner, self.session_id) for c in r.copies if not c.sibling]
+            for r in reports
         ]
-        iterations = sorted({c.iteration for c in all_copies}, reverse=True)
+        iterations = sorted({c.iteration for c in pool}, reverse=True)
         if not iterations:
             return self._fall_back(None, load_dir, persistent, notes)
         if persistent is not None and iterations[0] < persistent:
@@ -183,6 +190,16 @@ class LocalTierResolution:
             if persistent is not None and it < persistent:
                 break
             res = self._try_iteration(it, all_copies, hosts, loaded, world, why_not, notes, t0)
+            if (
+                res is None
+                and (persistent is None or it > persistent)
+                and any(c.iteration == it and c.saved_topology is not None for c in pool)
+            ):
+                if why_not and why_not[-1].startswith(f"iteration {it}:"):
+                    why_not.pop()  # "written under another topology": the reshard says more
+                res = self._try_reshard(it, pool, hosts, why_not, notes, t0)
+                if res is not None:
+                    return res
             if res is not None:
                 self._quarantine(
                     keep=it,
@@ -418,6 +435,117 @@ class LocalTierResolution:
             return self._resolved(it, sd, my_id, line, all_copies, notes, t0)
         why_not.append(f"iteration {it}: no replica verified after several attempts")
         return None
+
+    def _try_reshard(self, it, pool, hosts, why_not, notes, t0) -> Optional[Resolution]:
+        """Collective: resume iteration ``it``, written at another DP size, by writing it as a
+        persistent ``torch_dist`` checkpoint that upstream's load reshards (:mod:`.reshard`);
+        ``None`` (on every rank, reason in ``why_not``) when it cannot."""
+        me = process_rank()
+        args = megatron_args()
+        topo = self._identity_parts()[3]
+        cands = [c for c in pool if c.iteration == it and c.saved_topology is not None]
+        tokens = Counter(c.token for c in cands).most_common()
+        if len(tokens) > 1 and tokens[0][1] == tokens[1][1]:
+            why_not.append(
+                f"iteration {it}: copies of {len(tokens)} different saves, none in a majority"
+            )
+            return None
+        cands = [c for c in cands if c.token == tokens[0][0]]
+        saved = cands[0].saved_topology
+        old_world, old_dp = int(saved["world_size"]), saved.get("data_parallel_size")
+        what = (
+            f"iteration {it}: written at DP {old_dp} (world size {old_world}), this start has "
+            f"DP {topo.get('data_parallel_size')} (world size {topo.get('world_size')})"
+        )
+        seen: dict = {}
+        for c in sorted(cands, key=lambda c: c.sibling):  # one report per file of a host
+            seen.setdefault((hosts.get(c.holder), os.path.realpath(str(c.path))), c)
+        by_owner: dict[int, List[LocalCopy]] = {}
+        for c in seen.values():
+            by_owner.setdefault(c.owner, []).append(c)
+        for owner, cs in by_owner.items():  # copies must agree with the primary (or the majority)
+            prim = [c.fingerprint for c in cs if c.dir_rank == owner and c.fingerprint]
+            fps = Counter(c.fingerprint for c in cs if c.fingerprint).most_common(1)
+            ref = prim[0] if prim else fps[0][0] if fps else None
+            by_owner[owner] = [c for c in cs if ref is None or c.fingerprint in (ref, None)]
+        missing = [o for o in range(old_world) if not by_owner.get(o)]
+        if missing:
+            why_not.append(
+                f"{what}: no copy of the shard of rank(s) {missing} on any rank, cannot reshard"
+            )
+            return None
+        save, load = getattr(args, "save", None), getattr(args, "load", None)
+        if not save or (load and os.path.realpath(load) != os.path.realpath(save)):
+            why_not.append(
+                f"{what}: resharding writes the checkpoint into --save and loads it from there, "
+                f"so it needs --save{' equal to --load' if save else ''}"
+            )
+            return None
+        target = os.path.join(save, f"iter_{it:07d}")
+        for _attempt in range(3):
+            loaders = reshard.plan_loaders({o: [c.holder for c in by_owner[o]] for o in by_owner})
+            paths = {
+                o: next(
+                    str(c.path)
+                    for c in sorted(by_owner[o], key=lambda c: c.dir_rank != o)
+                    if c.holder == me
+                )
+                for o, r in loaders.items()
+                if r == me
+            }
+            try:
+                files, seconds = reshard.assemble(
+                    iteration=it,
+                    loaders=loaders,
+                    paths=paths,
+                    load_and_verify=self._load_for_reshard,
+                    target=target,
+                )
+            except reshard.ReshardError as e:
+                if not e.bad:
+                    why_not.append(f"{what}: {e}")
+                    return None
+                for old, holder in e.bad:
+                    by_owner[old] = [c for c in by_owner[old] if c.holder != holder]
+                gone = [o for o in by_owner if not by_owner[o]]
+                if gone:
+                    why_not.append(f"{what}: no verified copy of the shard of rank(s) {gone}: {e}")
+                    return None
+                continue
+            break
+        else:
+            why_not.append(f"{what}: no copies verified after several attempts")
+            return None
+        if getattr(args, "ckpt_step", None):
+            args.ckpt_step = it  # the persistent tier chose an older one before this decision
+        moved = self._quarantine()
+        extra = list(notes)
+        if moved:
+            extra.append(
+                f"{moved} local checkpoint file(s) of DP {old_dp} set aside (left in place until "
+                f"this run's first local save completes)"
+            )
+        line = (
+            f"local checkpoint at iteration {it} written at DP {old_dp} (world size {old_world}) "
+            f"resumed at DP {topo.get('data_parallel_size')} (world size {topo.get('world_size')}):"
+            f" read {reshard.describe(files, str(Path(self.local_ckpt_dir).parent))}; all "
+            f"{old_world} shards written as the torch_dist checkpoint {target}, loaded resharded "
+            f"[{seconds:.2f} s]"
+        )
+        self.timings["total"] = time.perf_counter() - t0
+        say(line + "".join(f"; {n}" for n in extra))
+        return Resolution(-1, line=line)
+
+    def _load_for_reshard(self, path: str, old: int) -> Any:
+        """One old rank's shard, loaded and verified (identity, checksums, finiteness)."""
+        sd = reshard.loaded_state(path)
+        rec = local_identity.get_identity(sd)
+        if rec is None or rec.get("owner_rank") != old:
+            raise ValueError(f"its identity record does not name rank {old}'s shard")
+        errors, _ = verify_state_dict(sd, f"rank {old}'s shard", check_checksums=True)
+        if errors:
+            raise ValueError(shorten("; ".join(errors), 400))
+        return sd
 
     def _resolved(self, it, sd, cid, line, all_copies, notes, t0) -> Resolution:
         me = process_rank()
