@@ -187,7 +187,7 @@ def assemble(
     paths: Dict[int, str],
     load_and_verify,
     target: str,
-) -> Tuple[List[str], float]:
+) -> Tuple[List[str], float, float]:
     """Collective (world): write the local checkpoint of ``iteration`` as a ``torch_dist``
     checkpoint in ``target`` (``--save/iter_<N>``), from the old ranks' shards.
 
@@ -200,7 +200,8 @@ def assemble(
         target: the iteration directory to create; it must not exist.
 
     Returns:
-        (the files this rank used, seconds).
+        (the files this rank used, seconds spent reading and verifying them (the slowest rank),
+        seconds in all).
 
     Raises:
         ReshardError: on every rank together: a copy failed to load or verify (naming it), the
@@ -227,12 +228,14 @@ def assemble(
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             errors.append((old, f"rank {old}'s shard {paths[old]}: {exc_text(e)}"))
     inventory = [] if errors else _inventory(loaded)
-    gathered = gather_objects((errors, inventory))
-    if any(e for e, _ in gathered):
-        texts = [[t for _, t in e] for e, _ in gathered]
-        bad = [(old, r) for r, (e, _) in enumerate(gathered) for old, _ in e]
+    read = time.perf_counter() - t0
+    gathered = gather_objects((errors, inventory, read))
+    if any(e for e, _, _ in gathered):
+        texts = [[t for _, t in e] for e, _, _ in gathered]
+        bad = [(old, r) for r, (e, _, _) in enumerate(gathered) for old, _ in e]
         raise ReshardError(summarize(texts), bad=[] if any(o is None for o, _ in bad) else bad)
-    winners = _winners([inv for _, inv in gathered])
+    winners = _winners([inv for _, inv, _ in gathered])
+    read = max(r for _, _, r in gathered)
     common = None
     src = loaders.get(0, 0)
     box = [None]
@@ -269,7 +272,7 @@ def assemble(
     if me == 0:
         persistent_dirs.write_tracker(os.path.dirname(target.rstrip("/")), iteration)
     dist.barrier()
-    return [paths[o] for o in mine], time.perf_counter() - t0
+    return [paths[o] for o in mine], read, time.perf_counter() - t0
 
 
 def describe(files: List[str], root: str) -> str:

@@ -1,0 +1,259 @@
+"""A node lost with no spare costs no iterations: the local tier resumed at another data-parallel
+size, on the real entrypoint (``pretrain_gpt.py --cpu``, gloo).
+
+The job: 4 ranks as two ``torchrun`` agents of 2 ranks (``--nnodes 2``, c10d rendezvous on
+127.0.0.1), node A = ranks 0-1 with ``nodeA/local``, node B = ranks 2-3 with ``nodeB/local``, a
+shared persistent ``ckpt`` (every 10). Local checkpoints every 4, replicated to the other node
+(``--replication-jump 2 --replication-factor 2``). Dropout is off (its masks come from each rank's
+RNG stream, which a DP change alters), the global batch is 8 (micro batch 2: DP 4 and DP 2 both
+hold it).
+
+Rank 2 crashes before iteration 13 (after the local save of 12); node B's processes are killed and
+its local directory deleted. The restart runs on node A alone, 2 ranks (DP 4 -> 2, jump 1): every
+shard of 12 is on node A (primaries of old ranks 0-1, replicas of old ranks 2-3), so it resumes at
+13, not at the persistent 10 (2 iterations lost before this fork, the persistent interval at
+scale). Losses 13-16 equal an uninterrupted 4-rank run's within the reduction order of a DP change
+(measured: 9e-8 relative at 13, bitwise after); the state after the resharded load is proven equal
+to the state saved at 12 by the resume proof's digests (bitwise, model and optimizer state). Then
+the spares return: 4 ranks resume from the local checkpoint 16 written at DP 2.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron.training_ext import loss_log
+from tests.helpers.dist import free_port
+from tests.helpers.fault_injection import ENV_FAULT
+from tests.helpers.launch import (
+    FAULTS_ENTRY,
+    local_files,
+    run_pretrain,
+    start_lines,
+    start_node,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+LOST_AT = 12  # local save (every 4), persistent at 10
+PERSISTENT = 10
+MODEL = ["--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
+TIERS = [
+    "--save",
+    "ckpt",
+    "--load",
+    "ckpt",
+    "--save-interval",
+    "10",
+    "--ckpt-format",
+    "torch_dist",
+    "--non-persistent-ckpt-type",
+    "local",
+    "--non-persistent-save-interval",
+    "4",
+]
+DISTOPT = ["--use-distributed-optimizer"]
+REL_TOL = 1e-6  # reduction order of a DP change (measured 9e-8 at the first iteration)
+
+
+def _args(local: str, jump: int | None, exit_at: int, extra=()) -> list[str]:
+    """The job's flags; ``jump`` None: no replication."""
+    repl = [] if jump is None else ["--replication", "--replication-jump", str(jump)]
+    repl += ["--replication-factor", "2"] if jump is not None else []
+    return [
+        *MODEL,
+        *TIERS,
+        "--non-persistent-local-ckpt-dir",
+        local,
+        *repl,
+        "--exit-interval",
+        str(exit_at),
+        *extra,
+    ]
+
+
+def _name(iteration: int, rank: int) -> str:
+    return f"iter_{iteration:07d}_{rank}_local.pt"
+
+
+def _assert_close(reference: dict, run: dict, iterations) -> None:
+    for i in iterations:
+        for key in ("lm loss (decimal)", "grad norm (decimal)"):
+            a, b = reference[i][key], run[i][key]
+            assert abs(a - b) <= REL_TOL * abs(a), f"iteration {i} {key}: {b} vs {a} uninterrupted"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The uninterrupted 4-rank run: iterations 1-16."""
+    work = tmp_path_factory.mktemp("reshard_reference")
+    run = run_pretrain(work, *_args("local", 2, 16, DISTOPT), nproc=4)
+    assert sorted(run.losses) == list(range(1, 17))
+    return run.losses
+
+
+@pytest.fixture(scope="module")
+def node_b_lost(tmp_path_factory) -> Path:
+    """The two-node job to 12, node B lost (killed, its local directory deleted): the work
+    directory, as node A and the shared ``ckpt`` hold it."""
+    work = tmp_path_factory.mktemp("reshard_lost_node")
+    crash = {ENV_FAULT: f"rank=2,iteration={LOST_AT},once={work / 'crash.done'}"}
+    port, rdzv = free_port(), f"reshard-{port_tag()}"
+    nodes = [
+        start_node(
+            work,
+            n,
+            2,
+            f"127.0.0.1:{port}",
+            rdzv,
+            _args(f"node{'AB'[n]}/local", 2, 16, DISTOPT),
+            nproc=2,
+            env=crash,
+            output=work / f"node{'AB'[n]}.log",
+            loss_file=work / "first.jsonl",
+            launcher_args=["--max-restarts", "0"],
+            entry=FAULTS_ENTRY,
+        )
+        for n in (0, 1)
+    ]
+    a, b = nodes
+    try:
+        wait_until(
+            lambda: "[fault-injection] rank 2: crashing" in b.output()
+            or a.poll() is not None
+            or b.poll() is not None,
+            timeout=900,
+            what="rank 2's injected crash",
+        )
+        assert f"rank 2: crashing (os._exit(1)) before iteration {LOST_AT + 1}" in b.output(), (
+            f"node A:\n{a.output()[-4000:]}\nnode B:\n{b.output()[-4000:]}"
+        )
+        b.kill_tree()
+        assert a.wait(timeout=600) != 0
+    finally:
+        a.kill_tree()
+        b.kill_tree()
+    assert sorted(local_files(work / "nodeB" / "local")) == [2, 3]
+    shutil.rmtree(work / "nodeB" / "local")
+    # node A: the primaries of old ranks 0-1 and node B's replicas (jump 2)
+    assert local_files(work / "nodeA" / "local") == {
+        0: [_name(LOST_AT, 0), _name(LOST_AT, 2)],
+        1: [_name(LOST_AT, 1), _name(LOST_AT, 3)],
+    }
+    first = loss_log.read(str(work / "first.jsonl"))
+    assert max(first) == LOST_AT
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    return work
+
+
+def port_tag() -> str:
+    import time
+
+    return str(time.time_ns())
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.log", "*.out", "*.jsonl"))
+    return dst
+
+
+def test_node_lost_without_spare_resumes_at_dp2_then_grows_back(tmp_path, node_b_lost, reference):
+    work = _copy(node_b_lost, tmp_path / "job")
+    shrink = run_pretrain(
+        work, *_args("nodeA/local", 1, 16, DISTOPT), nproc=2, loss_file="dp2.jsonl"
+    )
+    out = shrink.output
+    assert shrink.first_iteration() == LOST_AT + 1, (sorted(shrink.losses), out[-4000:])
+    assert sorted(shrink.losses) == [13, 14, 15, 16]
+    _assert_close(reference, shrink.losses, range(13, 17))
+    lines = start_lines(out)
+    for r in (0, 1):
+        (line,) = [ln for ln in lines[r] if "local checkpoint" in ln]
+        assert (
+            f"[local-tier] rank {r}: local checkpoint at iteration {LOST_AT} written at DP 4 "
+            f"(world size 4) resumed at DP 2 (world size 2): read {r}/{_name(LOST_AT, r)}, "
+            f"{r}/{_name(LOST_AT, r + 2)}; all 4 shards written as the torch_dist checkpoint "
+            f"ckpt/iter_{LOST_AT:07d} (shards read and verified in " in line
+        ), line
+    # the exact check: every model and optimizer tensor of the resharded state is the saved one
+    assert re.search(
+        rf"\[resume-proof\] iteration {LOST_AT}: 64 tensors and the scalar state equal to the "
+        rf"saved state \(persistent torch_dist ckpt/iter_{LOST_AT:07d}, [0-9.]+ s\); not "
+        r"compared: RNG states \(another parallel layout\)",
+        out,
+    ), out[-4000:]
+    assert f"[persistent-tier] iter_{LOST_AT:07d}: verified 5 files" in out
+    # a durable copy: the tracker names it, its digest is the local save's
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+    assert (work / "ckpt" / f"iter_{LOST_AT:07d}" / "state_digest.json").is_file()
+    # the DP 4 files went once the first DP 2 local save completed; 16 replicated at jump 1
+    assert local_files(work / "nodeA" / "local") == {
+        0: [_name(16, 0), _name(16, 1)],
+        1: [_name(16, 0), _name(16, 1)],
+    }
+
+    # the spares return: 4 ranks (node B's directory empty) resume from local 16 written at DP 2
+    grow = run_pretrain(work, *_args("nodeA/local", 2, 18, DISTOPT), nproc=4, loss_file="dp4.jsonl")
+    assert grow.first_iteration() == 17 and sorted(grow.losses) == [17, 18], grow.output[-4000:]
+    assert "written at DP 2 (world size 2) resumed at DP 4 (world size 4)" in grow.output
+    assert re.search(
+        r"\[resume-proof\] iteration 16: 64 tensors and the scalar state equal to the saved state",
+        grow.output,
+    ), grow.output[-4000:]
+
+
+def test_a_shard_without_any_copy_falls_back_to_persistent_with_the_reason(tmp_path, node_b_lost):
+    work = _copy(node_b_lost, tmp_path / "job")
+    (work / "nodeA" / "local" / "1" / _name(LOST_AT, 3)).unlink()  # node B's replica of rank 3
+    run = run_pretrain(work, *_args("nodeA/local", 1, 11, DISTOPT), nproc=2)
+    assert run.first_iteration() == PERSISTENT + 1, run.output[-4000:]
+    for r in (0, 1):
+        (line,) = [ln for ln in start_lines(run.output)[r] if "local checkpoint" in ln]
+        assert (
+            f"local checkpoint tier rejected: local checkpoint at iteration {LOST_AT} failed "
+            f"verification: written at DP 4 (world size 4), this start has "
+            f"DP 2 (world size 2): no copy of the shard of rank(s) [3] on any rank, cannot "
+            f"reshard -> loading the newest persistent checkpoint: iteration {PERSISTENT}" in line
+        ), line
+    assert not (work / "ckpt" / f"iter_{LOST_AT:07d}").exists()
+
+
+def test_guard_upstream_local_tier_cannot_change_dp(tmp_path, node_b_lost):
+    """``--no-local-tier-validation`` (upstream's local tier): the restart at DP 2 falls back to
+    persistent 10 and trains 11-12 again (then fails its local save of 12, where the DP 4 files
+    are)."""
+    work = _copy(node_b_lost, tmp_path / "job")
+    run = run_pretrain(
+        work,
+        *_args("nodeA/local", 1, 14, [*DISTOPT, "--no-local-tier-validation"]),
+        nproc=2,
+        check=False,
+    )
+    assert run.first_iteration() == PERSISTENT + 1, (sorted(run.losses), run.output[-3000:])
+    assert not (work / "ckpt" / f"iter_{LOST_AT:07d}").exists()
+
+
+def test_without_distributed_optimizer_dp2_to_dp1(tmp_path):
+    """Plain Adam (optimizer state sharded like the model): 2 ranks to 12, rank 1's directory lost,
+    1 rank resumes at 13 from both shards on rank 0 (jump 1), proven equal to the saved state."""
+    work = tmp_path / "job"
+    first = run_pretrain(work, *_args("local", 1, 12), nproc=2, loss_file="first.jsonl")
+    assert max(first.losses) == LOST_AT
+    shutil.rmtree(work / "local" / "1")
+    run = run_pretrain(work, *_args("local", None, 13), nproc=1)
+    assert run.first_iteration() == LOST_AT + 1, run.output[-4000:]
+    assert (
+        f"[local-tier] rank 0: local checkpoint at iteration {LOST_AT} written at DP 2 (world size "
+        f"2) resumed at DP 1 (world size 1): read 0/{_name(LOST_AT, 0)}, 0/{_name(LOST_AT, 1)}"
+        in run.output
+    ), run.output[-4000:]
+    assert re.search(
+        rf"\[resume-proof\] iteration {LOST_AT}: \d+ tensors and the scalar state equal to the "
+        r"saved state",
+        run.output,
+    ), run.output[-4000:]
