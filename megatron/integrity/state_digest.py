@@ -160,6 +160,47 @@ def warm_up() -> None:
         kernel(np.zeros(1, dtype=dtype), one, one + 1)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _check(
+    start: int,
+    stop: int,
+    local_shape: Tuple[int, ...],
+    global_offset: Tuple[int, ...],
+    global_shape: Tuple[int, ...],
+) -> None:
+    """Raise ValueError unless the block and the range fit (cached: a run digests the same places
+    at every save; a failure raises, so it is not cached)."""
+    if len(local_shape) != len(global_shape) or len(global_offset) != len(global_shape):
+        raise ValueError(
+            f"state digest: block shape {tuple(local_shape)} at {tuple(global_offset)} "
+            f"does not match global shape {tuple(global_shape)}"
+        )
+    for ls, off, gs in zip(local_shape, global_offset, global_shape):
+        if off < 0 or off + ls > gs:
+            raise ValueError(
+                f"state digest: block {tuple(local_shape)} at {tuple(global_offset)} "
+                f"exceeds global shape {tuple(global_shape)}"
+            )
+    n_local = 1
+    for s in local_shape:
+        n_local *= s
+    if not 0 <= start <= stop <= n_local:
+        raise ValueError(f"state digest: range {start}:{stop} outside a block of {n_local}")
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _cached_segments(
+    start: int,
+    stop: int,
+    local_shape: Tuple[int, ...],
+    global_offset: Tuple[int, ...],
+    global_shape: Tuple[int, ...],
+) -> Tuple[Any, Any]:
+    """:func:`_segments`, cached: the arrays are shared, never to be modified (writable, so the
+    kernel compiled by :func:`warm_up` takes them)."""
+    return _segments(start, stop, local_shape, global_offset, global_shape)
+
+
 def range_sum(
     local: torch.Tensor,
     start: int,
@@ -189,22 +230,12 @@ def range_sum(
     Raises:
         ValueError: shapes or ranges that do not fit in ``global_shape``.
     """
-    if len(local_shape) != len(global_shape) or len(global_offset) != len(global_shape):
-        raise ValueError(
-            f"state digest: block shape {tuple(local_shape)} at {tuple(global_offset)} "
-            f"does not match global shape {tuple(global_shape)}"
-        )
-    for ls, off, gs in zip(local_shape, global_offset, global_shape):
-        if off < 0 or off + ls > gs:
-            raise ValueError(
-                f"state digest: block {tuple(local_shape)} at {tuple(global_offset)} "
-                f"exceeds global shape {tuple(global_shape)}"
-            )
-    n_local = 1
-    for s in local_shape:
-        n_local *= s
-    if not 0 <= start <= stop <= n_local:
-        raise ValueError(f"state digest: range {start}:{stop} outside a block of {n_local}")
+    local_shape, global_offset, global_shape = (
+        tuple(local_shape),
+        tuple(global_offset),
+        tuple(global_shape),
+    )
+    _check(start, stop, local_shape, global_offset, global_shape)
     flat = (local.detach().reshape(-1)[start:stop] if values is None else values.detach()).reshape(
         -1
     )
@@ -219,7 +250,7 @@ def range_sum(
             raise TypeError(f"state digest: dtype {flat.dtype} is not supported")
         size = flat.element_size()
         vals = flat.view(_VIEW[size]).numpy().view(_UNSIGNED[size])
-        starts, lens = _segments(start, stop, local_shape, global_offset, global_shape)
+        starts, lens = _cached_segments(start, stop, local_shape, global_offset, global_shape)
         return int(kernel(vals, starts, lens)) & _MASK
     gstr = _strides(global_shape)
     base = sum(o * s for o, s in zip(global_offset, gstr))
