@@ -115,10 +115,15 @@ def main() -> None:
         shutil.copytree(setup, work, ignore=shutil.ignore_patterns("*.log", "*.jsonl"))
         repl = ["--replication", "--replication-jump", "1", "--replication-factor", "2"]
         out = _launch(work, 2, [*model, *repl, "--exit-interval", "13"], "reshard")
-        assert "resumed at DP 2" in out, out[-3000:]
+        if "resumed at DP 2" not in out:
+            raise SystemExit(f"bench_local_reshard: the restart did not reshard:\n{out[-3000:]}")
         times["reshard"].append(_load_seconds(out))
         first["reshard"] = _first_iteration(work, "reshard")
-        shutil.rmtree(work / "local")  # the same iteration-12 state, from the persistent tier
+        # the same iteration-12 state, from the persistent tier (without the local files and the
+        # persistent save the first restart made when it exited at 13)
+        shutil.rmtree(work / "local")
+        shutil.rmtree(work / "ckpt" / "iter_0000013", ignore_errors=True)
+        (work / "ckpt" / "latest_checkpointed_iteration.txt").write_text("12\n")
         out = _launch(work, 2, [*model, *repl, "--exit-interval", "13"], "persistent")
         times["persistent"].append(_load_seconds(out))
         first["persistent"] = _first_iteration(work, "persistent")

@@ -210,8 +210,14 @@ def test_node_lost_without_spare_resumes_at_dp2_then_grows_back(tmp_path, node_b
 def test_a_shard_without_any_copy_falls_back_to_persistent_with_the_reason(tmp_path, node_b_lost):
     work = _copy(node_b_lost, tmp_path / "job")
     (work / "nodeA" / "local" / "1" / _name(LOST_AT, 3)).unlink()  # node B's replica of rank 3
-    run = run_pretrain(work, *_args("nodeA/local", 1, 11, DISTOPT), nproc=2)
+    run = run_pretrain(work, *_args("nodeA/local", 1, 13, DISTOPT), nproc=2)
     assert run.first_iteration() == PERSISTENT + 1, run.output[-4000:]
+    # training through 12 again, its local save of 12 completes next to the DP 4 files of 12
+    # (their shards of old ranks 2-3 are no part of a 2-rank checkpoint) and replaces them
+    assert local_files(work / "nodeA" / "local") == {
+        0: [_name(LOST_AT, 0), _name(LOST_AT, 1)],
+        1: [_name(LOST_AT, 0), _name(LOST_AT, 1)],
+    }
     for r in (0, 1):
         (line,) = [ln for ln in start_lines(run.output)[r] if "local checkpoint" in ln]
         assert (

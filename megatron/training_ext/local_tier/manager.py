@@ -295,6 +295,14 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
 
     _saving_iteration: Optional[int] = None
 
+    def _my_ckpt_ids(self):
+        """NVRx's, without the shards of ranks beyond this world (files of a larger DP size, set
+        aside at start): NVRx counts an iteration complete only when its shards are exactly this
+        world's ranks, so such a file left next to a new save of the same iteration made that
+        save fail (``Failure during saving local checkpoint ... (last valid iteration is -1)``)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return [id_ for id_ in super()._my_ckpt_ids() if id_[1] < world]
+
     def find_latest(self):
         if self._saved and self.latest_iteration == -1:
             self._withdraw_failed_save()

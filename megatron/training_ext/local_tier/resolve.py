@@ -596,11 +596,14 @@ class LocalTierResolution:
 
     def drop_set_aside(self, saved_iteration: int) -> int:
         """After the local save of ``saved_iteration`` completed on every rank: delete the files
-        :meth:`_quarantine` set aside (not those the save just rewrote under the same name).
+        :meth:`_quarantine` set aside (not those the save just rewrote under the same name; a
+        shard of a rank beyond this world, written at a larger DP size, is never rewritten).
         Returns how many."""
         dropped = 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
         for it, p in self._set_aside:
-            if it != saved_iteration:
+            parsed = local_layout.parse_local_name(p.name)
+            if it != saved_iteration or (parsed is not None and parsed[1] >= world):
                 try:
                     p.unlink()
                     dropped += 1
