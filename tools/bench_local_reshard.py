@@ -11,8 +11,10 @@ deleted (a node lost). Per repetition, interleaved: (a) 2 ranks restart from a c
 the local tier writes iteration 12 as a ``torch_dist`` checkpoint and upstream loads it resharded
 (DP 4 -> 2); (b) 2 ranks load that same ``iter_0000012`` from the persistent tier (no local
 files). Figures per start, seconds, the slowest rank's (upstream's ``load-checkpoint`` timer,
-which includes this fork's checks and the resume proof), median and minimum; and the iterations
-each start trains again.
+which includes this fork's checks and the resume proof), median and minimum, also with the
+process's first persistent save added (megatron-core starts a write-results helper process at a
+process's first ``torch_dist`` save: the reshard's write pays it, the run's next save does not);
+and the first iteration each start trains.
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ def _launch(work: Path, nproc: int, args: list, log: str) -> str:
     return out
 
 
-def _load_seconds(out: str) -> float:
-    m = re.search(r"load-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)", out)
+def _timer(out: str, name: str) -> float:
+    """Upstream's ``(min, max) time across ranks`` of timer ``name`` (its first report): the
+    slowest rank's, seconds."""
+    m = re.search(name + r" \.+: \(([0-9.]+), ([0-9.]+)\)", out)
     if not m:
-        raise SystemExit("bench_local_reshard: no load-checkpoint timer in the output")
+        raise SystemExit(f"bench_local_reshard: no {name} timer in the output")
     return float(m.group(2)) / 1e3
 
 
@@ -109,6 +113,7 @@ def main() -> None:
     for r in (2, 3):
         shutil.rmtree(setup / "local" / str(r))
     times = {"reshard": [], "persistent": []}
+    with_save = {"reshard": [], "persistent": []}  # + the process's first persistent save
     first = {}
     for rep in range(a.reps):
         work = base / f"rep{rep}"
@@ -117,7 +122,8 @@ def main() -> None:
         out = _launch(work, 2, [*model, *repl, "--exit-interval", "13"], "reshard")
         if "resumed at DP 2" not in out:
             raise SystemExit(f"bench_local_reshard: the restart did not reshard:\n{out[-3000:]}")
-        times["reshard"].append(_load_seconds(out))
+        times["reshard"].append(_timer(out, "load-checkpoint"))
+        with_save["reshard"].append(times["reshard"][-1] + _timer(out, "save-checkpoint"))
         first["reshard"] = _first_iteration(work, "reshard")
         # the same iteration-12 state, from the persistent tier (without the local files and the
         # persistent save the first restart made when it exited at 13)
@@ -125,18 +131,27 @@ def main() -> None:
         shutil.rmtree(work / "ckpt" / "iter_0000013", ignore_errors=True)
         (work / "ckpt" / "latest_checkpointed_iteration.txt").write_text("12\n")
         out = _launch(work, 2, [*model, *repl, "--exit-interval", "13"], "persistent")
-        times["persistent"].append(_load_seconds(out))
+        times["persistent"].append(_timer(out, "load-checkpoint"))
+        with_save["persistent"].append(times["persistent"][-1] + _timer(out, "save-checkpoint"))
         first["persistent"] = _first_iteration(work, "persistent")
     print(
-        f"{'start (2 ranks, state of iteration 12 saved at DP 4)':<58} {'median s':>9} "
-        f"{'min s':>7} {'first iteration':>16}"
+        f"{'start (2 ranks, state of iteration 12 saved at DP 4)':<52} {'load median':>11} "
+        f"{'min':>6} {'+ 1st save median':>17} {'min':>6} {'first iteration':>15}"
     )
     for k, label in (
         ("reshard", "local tier, resharded (write torch_dist + load)"),
         ("persistent", "persistent torch_dist load of the same iteration"),
     ):
-        v = times[k]
-        print(f"{label:<58} {statistics.median(v):>9.2f} {min(v):>7.2f} {first[k]:>16}")
+        v, w = times[k], with_save[k]
+        print(
+            f"{label:<52} {statistics.median(v):>11.2f} {min(v):>6.2f} "
+            f"{statistics.median(w):>17.2f} {min(w):>6.2f} {first[k]:>15}"
+        )
+    print(
+        "seconds, slowest rank (upstream's load-checkpoint timer; '+ 1st save': with the "
+        "process's first persistent save, which starts megatron-core's write-results helper "
+        "process unless the reshard's write already did)"
+    )
     print("without the reshard the restart loads persistent 10: first iteration 11 (2 lost)")
     if a.work is None:
         shutil.rmtree(base, ignore_errors=True)
