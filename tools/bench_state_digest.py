@@ -98,14 +98,15 @@ def _digest_fn(blocks, states, world):
 
     def digest():
         acc = rp._Partial()
-        for i, (key, data, goff, gshape, replica) in enumerate(blocks):
-            if replica != 0:
-                continue
-            acc.add(key, sd.block_sum(data, goff, gshape), gshape, data.dtype, "model")
-            lshape = (1,) * (len(gshape) - data.dim()) + tuple(data.shape)
-            for name, value in states[i].items():
-                v = sd.range_sum(data, 0, data.numel(), lshape, goff, gshape, values=value)
-                acc.add(f"optimizer.state.{name}.{key}", v, gshape, value.dtype, "optimizer")
+        with rp._no_torch_function():  # as the resume proof reads them
+            for i, (key, data, goff, gshape, replica) in enumerate(blocks):
+                if replica != 0:
+                    continue
+                acc.add(key, sd.block_sum(data, goff, gshape), gshape, data.dtype, "model")
+                lshape = (1,) * (len(gshape) - data.dim()) + tuple(data.shape)
+                for name, value in states[i].items():
+                    v = sd.range_sum(data, 0, data.numel(), lshape, goff, gshape, values=value)
+                    acc.add(f"optimizer.state.{name}.{key}", v, gshape, value.dtype, "optimizer")
         mine = (acc.sums, acc.meta, acc.skipped, {"torch": "0" * 16}, {"optimizer_step": []}, None)
         sums, meta, *_ = rp._exchange(mine)
         out = {}
