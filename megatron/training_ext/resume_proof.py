@@ -404,7 +404,7 @@ class _Slots:
     per optimizer step value of each rank (one rank writes each of those, the others write 0)."""
 
     world: int
-    mine: str  # this rank's description's fingerprint
+    fingerprints: List[str]  # per rank: its description's (:func:`_fingerprint`)
     keys: List[str]
     meta: Dict[str, Tuple]
     skipped: List[str]
@@ -485,7 +485,7 @@ def _gather_all(mine: tuple):
     if dist.is_initialized():
         _SLOTS = _Slots(
             world=len(gathered),
-            mine=gathered[_rank()][1],
+            fingerprints=[fp for _g, fp in gathered],
             keys=sorted(sums),
             meta=meta,
             skipped=sorted(skipped),
@@ -525,7 +525,7 @@ def _exchange(mine: tuple):
     vec = [0] * slots.size
     if error:
         vec[0] = 1
-    elif _fingerprint(mine) != slots.mine:
+    elif _fingerprint(mine) != slots.fingerprints[rank]:
         vec[1] = 1
     else:
         for key, value in my_sums.items():
@@ -1058,6 +1058,7 @@ def install(args: Any) -> None:
 
 def uninstall() -> None:
     """Undo :func:`install` (tests)."""
-    global _STATE
+    global _STATE, _SLOTS
     _PATCHER.restore()
     _STATE = None
+    _SLOTS = None

@@ -50,6 +50,9 @@ def _body(rank, world):
     changed = _share(rank, 6, extra_key=rank == 1)
     fast, slow = both(changed)
     assert fast == slow and fast[0]["new"] == 6 and "new" in rp._SLOTS.keys
+    # the ranks' descriptions swap (a restart that renumbered them): gathered again, not misplaced
+    fast, slow = both(_share(1 - rank, 8))
+    assert fast == slow and fast[3] == [_share(1, 8)[3], _share(0, 8)[3]]
     # a rank fails: every rank raises, with its text
     with pytest.raises(rp.DigestUnavailable, match="rank 1: TypeError: no byte view"):
         rp._exchange(
