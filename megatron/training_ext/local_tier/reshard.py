@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.integrity import persistent_dirs
+from megatron.overlay.collective import RankFailures
 from megatron.training_ext.local_tier.common import (
     exc_text,
     gather_objects,
@@ -45,10 +47,11 @@ DP_SETTINGS = ("world_size", "data_parallel_size", "non_persistent_local_ckpt_al
 _SHARDS_KEY = "local_tier_reshard"
 
 
-class ReshardError(RuntimeError):
+class ReshardError(RankFailures, RuntimeError):
     """The local checkpoint cannot be resumed at this DP size; the message says why (raised on
     every rank together). ``bad``: ``(old rank, new rank)`` of each copy that failed to load or
-    verify, when that was the only problem (another copy may do)."""
+    verify, when that was the only problem (another copy may do). The start catches it and falls
+    back to the persistent tier, naming the reason."""
 
     def __init__(self, message: str, bad: Sequence[Tuple[int, int]] = ()):
         super().__init__(message)
@@ -236,12 +239,8 @@ def assemble(
         raise ReshardError(summarize(texts), bad=[] if any(o is None for o, _ in bad) else bad)
     winners = _winners([inv for _, inv, _ in gathered])
     read = max(r for _, _, r in gathered)
-    common = None
-    src = loaders.get(0, 0)
-    box = [None]
-    if me == src:
-        common = loaded[0].common
-        box = [common]
+    src = loaders.get(0, 0)  # rank 0's common state: args, iteration, scheduler, digest
+    box = [loaded[0].common if me == src else None]
     dist.broadcast_object_list(box, src=src)
     common = box[0]
     state: Dict[str, Any] = dict(common)
@@ -251,10 +250,7 @@ def assemble(
         record = json.loads(record)
     from megatron.training_ext import resume_proof
 
-    error = None
-    if me == 0:
-        os.makedirs(target)
-    dist.barrier()
+    made = _on_rank0(lambda: os.makedirs(target), f"creating {target}")
     try:
         with resume_proof.digest_of_save(record):
             dist_checkpointing.save(
@@ -263,16 +259,33 @@ def assemble(
                 content_metadata=content_metadata(common["args"]),
                 validate_access_integrity=True,
             )
+        error = None
     except Exception as e:  # noqa: BLE001 - dist_checkpointing raises the same on every rank
         error = exc_text(e)
         logger.exception("local tier: writing %s failed", target)
     errs = gather_objects([error] if error else [])
     if any(errs):
+        if me == 0 and made:  # never leave a half-written iteration of our own behind
+            shutil.rmtree(target, ignore_errors=True)
         raise ReshardError(f"writing {target} failed: {summarize(errs)}")
-    if me == 0:
-        persistent_dirs.write_tracker(os.path.dirname(target.rstrip("/")), iteration)
-    dist.barrier()
+    root = os.path.dirname(target.rstrip("/"))
+    _on_rank0(lambda: persistent_dirs.write_tracker(root, iteration), "writing the tracker")
     return [paths[o] for o in mine], read, time.perf_counter() - t0
+
+
+def _on_rank0(fn, what: str) -> bool:
+    """Collective: run ``fn`` on rank 0; every rank raises :class:`ReshardError` together when it
+    failed (no rank is left waiting in a later collective). Returns True (it ran)."""
+    error = None
+    if process_rank() == 0:
+        try:
+            fn()
+        except OSError as e:
+            error = f"{what}: {exc_text(e)}"
+    errs = gather_objects([error] if error else [])
+    if any(errs):
+        raise ReshardError(summarize(errs))
+    return True
 
 
 def describe(files: List[str], root: str) -> str:
