@@ -244,22 +244,54 @@ def test_guard_upstream_local_tier_cannot_change_dp(tmp_path, node_b_lost):
     assert not (work / "ckpt" / f"iter_{LOST_AT:07d}").exists()
 
 
-def test_without_distributed_optimizer_dp2_to_dp1(tmp_path):
-    """Plain Adam (optimizer state sharded like the model): 2 ranks to 12, rank 1's directory lost,
-    1 rank resumes at 13 from both shards on rank 0 (jump 1), proven equal to the saved state."""
+def test_without_distributed_optimizer_at_tp2(tmp_path):
+    """Plain Adam (optimizer state sharded like the model) at TP 2: 4 ranks (DP 2) to 12, ranks
+    2-3's directories lost, 2 ranks (DP 1) resume at 13 from the shards on ranks 0-1 (jump 2),
+    proven equal to the saved state."""
     work = tmp_path / "job"
-    first = run_pretrain(work, *_args("local", 1, 12), nproc=2, loss_file="first.jsonl")
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    first = run_pretrain(work, *_args("local", 2, 12, tp2), nproc=4, loss_file="first.jsonl")
     assert max(first.losses) == LOST_AT
-    shutil.rmtree(work / "local" / "1")
-    run = run_pretrain(work, *_args("local", None, 13), nproc=1)
+    shutil.rmtree(work / "local" / "2")
+    shutil.rmtree(work / "local" / "3")
+    run = run_pretrain(work, *_args("local", None, 13, tp2), nproc=2)
     assert run.first_iteration() == LOST_AT + 1, run.output[-4000:]
-    assert (
-        f"[local-tier] rank 0: local checkpoint at iteration {LOST_AT} written at DP 2 (world size "
-        f"2) resumed at DP 1 (world size 1): read 0/{_name(LOST_AT, 0)}, 0/{_name(LOST_AT, 1)}"
-        in run.output
-    ), run.output[-4000:]
+    for r in (0, 1):
+        assert (
+            f"[local-tier] rank {r}: local checkpoint at iteration {LOST_AT} written at DP 2 "
+            f"(world size 4) resumed at DP 1 (world size 2): read {r}/{_name(LOST_AT, r)}, "
+            f"{r}/{_name(LOST_AT, r + 2)}" in run.output
+        ), run.output[-4000:]
     assert re.search(
-        rf"\[resume-proof\] iteration {LOST_AT}: \d+ tensors and the scalar state equal to the "
+        rf"\[resume-proof\] iteration {LOST_AT}: 64 tensors and the scalar state equal to the "
         r"saved state",
         run.output,
     ), run.output[-4000:]
+
+
+def test_shards_in_other_rank_directories_of_the_host(tmp_path, node_b_lost):
+    """Rank numbers move between nodes: the surviving node's directories are ``2/`` and ``3/``
+    (as if node A had been lost and node B survived), the restarted ranks 0-1 own empty ``0/`` and
+    ``1/``; they find every shard in the other rank directories of their host."""
+    work = _copy(node_b_lost, tmp_path / "job")
+    local = work / "nodeA" / "local"
+    (local / "0").rename(local / "2")
+    (local / "1").rename(local / "3")
+    run = run_pretrain(work, *_args("nodeA/local", 1, 13, DISTOPT), nproc=2)
+    assert run.first_iteration() == LOST_AT + 1, run.output[-4000:]
+    lines = {
+        r: [ln for ln in v if "local checkpoint" in ln] for r, v in start_lines(run.output).items()
+    }
+    assert (
+        f"[local-tier] rank 0: local checkpoint at iteration {LOST_AT} written at DP 4 (world size "
+        f"4) resumed at DP 2 (world size 2): read 2/{_name(LOST_AT, 0)}, 2/{_name(LOST_AT, 2)}"
+        in lines[0][0]
+    ), lines
+    assert f"read 3/{_name(LOST_AT, 1)}, 3/{_name(LOST_AT, 3)}" in lines[1][0], lines
+    assert re.search(
+        rf"\[resume-proof\] iteration {LOST_AT}: 64 tensors and the scalar state equal to the "
+        r"saved state",
+        run.output,
+    ), run.output[-4000:]
+    # the other ranks' directories are read, never changed
+    assert local_files(local)[2] == [_name(LOST_AT, 0), _name(LOST_AT, 2)]

@@ -197,7 +197,7 @@ class LocalTierResolution:
             ):
                 if why_not and why_not[-1].startswith(f"iteration {it}:"):
                     why_not.pop()  # "written under another topology": the reshard says more
-                res = self._try_reshard(it, pool, hosts, why_not, notes, t0)
+                res = self._try_reshard(it, pool, why_not, notes, t0)
                 if res is not None:
                     return res
             if res is not None:
@@ -436,7 +436,7 @@ class LocalTierResolution:
         why_not.append(f"iteration {it}: no replica verified after several attempts")
         return None
 
-    def _try_reshard(self, it, pool, hosts, why_not, notes, t0) -> Optional[Resolution]:
+    def _try_reshard(self, it, pool, why_not, notes, t0) -> Optional[Resolution]:
         """Collective: resume iteration ``it``, written at another DP size, by writing it as a
         persistent ``torch_dist`` checkpoint that upstream's load reshards (:mod:`.reshard`);
         ``None`` (on every rank, reason in ``why_not``) when it cannot."""
@@ -457,11 +457,10 @@ class LocalTierResolution:
             f"iteration {it}: written at DP {old_dp} (world size {old_world}), this start has "
             f"DP {topo.get('data_parallel_size')} (world size {topo.get('world_size')})"
         )
-        seen: dict = {}
-        for c in sorted(cands, key=lambda c: c.sibling):  # one report per file of a host
-            seen.setdefault((hosts.get(c.holder), os.path.realpath(str(c.path))), c)
+        # a file of a host may be reported by each rank of the host (other rank directories):
+        # each report is a way to read it, and the plan spreads the reading over those ranks
         by_owner: dict[int, List[LocalCopy]] = {}
-        for c in seen.values():
+        for c in cands:
             by_owner.setdefault(c.owner, []).append(c)
         for owner, cs in by_owner.items():  # copies must agree with the primary (or the majority)
             prim = [c.fingerprint for c in cs if c.dir_rank == owner and c.fingerprint]
@@ -482,6 +481,7 @@ class LocalTierResolution:
             )
             return None
         target = os.path.join(save, f"iter_{it:07d}")
+        replaced: List[str] = []  # copies that failed to load or verify (others were used)
         for _attempt in range(3):
             loaders = reshard.plan_loaders({o: [c.holder for c in by_owner[o]] for o in by_owner})
             paths = {
@@ -505,6 +505,7 @@ class LocalTierResolution:
                 if not e.bad:
                     why_not.append(f"{what}: {e}")
                     return None
+                replaced.append(shorten(str(e), 400))
                 for old, holder in e.bad:
                     by_owner[old] = [c for c in by_owner[old] if c.holder != holder]
                 gone = [o for o in by_owner if not by_owner[o]]
@@ -520,6 +521,8 @@ class LocalTierResolution:
             args.ckpt_step = it  # the persistent tier chose an older one before this decision
         moved = self._quarantine()
         extra = list(notes)
+        if replaced:
+            extra.append("other copies used where these failed: " + "; ".join(replaced))
         if moved:
             extra.append(
                 f"{moved} local checkpoint file(s) of DP {old_dp} set aside (left in place until "
