@@ -480,6 +480,13 @@ class LocalTierResolution:
                 f"so it needs --save{' equal to --load' if save else ''}"
             )
             return None
+        fmt = getattr(args, "ckpt_format", "torch_dist")
+        if fmt != "torch_dist" and not getattr(args, "auto_detect_ckpt_format", False):
+            why_not.append(
+                f"{what}: resharding writes a torch_dist checkpoint, which a run with "
+                f"--ckpt-format {fmt} does not load (add --auto-detect-ckpt-format)"
+            )
+            return None
         target = os.path.join(save, f"iter_{it:07d}")
         replaced: List[str] = []  # copies that failed to load or verify (others were used)
         for _attempt in range(3):
