@@ -226,10 +226,31 @@ def check_later_failures(args: argparse.Namespace, prog: str = "pretrain_gpt.py"
     """Refuse upstream defaults that pass validation and fail once training starts.
 
     Raises:
-        ArgumentMistake: ``--eval-interval`` missing in iteration-based training (upstream's
-            default is None; ``training.py`` computes ``args.train_iters // args.eval_interval``
-            when it builds the data loaders: ``TypeError``).
+        ArgumentMistake: ``--replication-jump`` x ``--replication-factor`` does not divide the
+            world size (NVRx asserts when it builds the replication groups: a traceback, not a
+            line, typically at a restart on fewer nodes); ``--eval-interval`` missing in
+            iteration-based training (upstream's default is None; ``training.py`` computes
+            ``args.train_iters // args.eval_interval`` when it builds the data loaders:
+            ``TypeError``).
     """
+    if getattr(args, "non_persistent_ckpt_type", None) == "local" and getattr(
+        args, "replication", False
+    ):
+        jump = int(getattr(args, "replication_jump", 1) or 1)
+        factor = int(getattr(args, "replication_factor", 2) or 2)
+        world = getattr(args, "world_size", None)
+        if world and (jump < 1 or factor < 1 or world % (jump * factor)):
+            fits = (
+                "--replication-jump 1 --replication-factor 2"
+                if world % 2 == 0
+                else "no --replication"
+            )
+            raise mistake(
+                f"{prog}: invalid arguments (--replication-jump={jump}, --replication-factor="
+                f"{factor}, world size={world}): NVRx's replication groups need jump x factor to "
+                f"divide the world size. A restart on fewer nodes needs its own values (here e.g. "
+                f"{fits}); the local checkpoints written with the old ones are still used"
+            )
     if (
         getattr(args, "eval_interval", 0) is None
         and not getattr(args, "full_validation", False)

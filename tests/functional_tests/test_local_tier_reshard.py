@@ -221,8 +221,8 @@ def test_a_shard_without_any_copy_falls_back_to_persistent_with_the_reason(tmp_p
     for r in (0, 1):
         (line,) = [ln for ln in start_lines(run.output)[r] if "local checkpoint" in ln]
         assert (
-            f"local checkpoint tier rejected: local checkpoint at iteration {LOST_AT} failed "
-            f"verification: written at DP 4 (world size 4), this start has "
+            f"local checkpoint tier rejected: local checkpoint at iteration {LOST_AT} cannot be "
+            f"resumed at this DP size: written at DP 4 (world size 4), this start has "
             f"DP 2 (world size 2): no copy of the shard of rank(s) [3] on any rank, cannot "
             f"reshard -> loading the newest persistent checkpoint: iteration {PERSISTENT}" in line
         ), line
@@ -295,3 +295,27 @@ def test_shards_in_other_rank_directories_of_the_host(tmp_path, node_b_lost):
     ), run.output[-4000:]
     # the other ranks' directories are read, never changed
     assert local_files(local)[2] == [_name(LOST_AT, 0), _name(LOST_AT, 2)]
+
+
+def test_a_start_killed_while_writing_leaves_nothing_half_written(tmp_path, node_b_lost):
+    """What a restart killed during the reshard's write leaves: its staging directory (a partial
+    write) and, from an interrupted persistent save of 12, an incomplete ``iter_0000012``. The
+    next start writes 12 again and resumes at 13; the incomplete directory is kept, renamed."""
+    work = _copy(node_b_lost, tmp_path / "job")
+    staged = work / "ckpt" / ".local_tier_reshard" / f"iter_{LOST_AT:07d}"
+    staged.mkdir(parents=True)
+    (staged / "__0_0.distcp").write_bytes(b"partial")
+    partial = work / "ckpt" / f"iter_{LOST_AT:07d}"
+    partial.mkdir()
+    (partial / "__1_0.distcp").write_bytes(b"interrupted")
+    run = run_pretrain(work, *_args("nodeA/local", 1, 13, DISTOPT), nproc=2)
+    assert run.first_iteration() == LOST_AT + 1, run.output[-4000:]
+    (line,) = [ln for ln in start_lines(run.output)[0] if "local checkpoint" in ln]
+    kept = sorted((work / "ckpt").glob(f"iter_{LOST_AT:07d}.incomplete-*"))
+    assert len(kept) == 1 and (kept[0] / "__1_0.distcp").read_bytes() == b"interrupted"
+    assert (
+        f"the incomplete ckpt/iter_{LOST_AT:07d} found there (an interrupted save) kept as" in line
+    )
+    assert not (work / "ckpt" / ".local_tier_reshard").exists()
+    assert (partial / ".metadata").is_file() and (partial / "integrity.json").is_file()
+    assert f"[persistent-tier] iter_{LOST_AT:07d}: verified 5 files" in run.output

@@ -45,6 +45,8 @@ DP_SETTINGS = ("world_size", "data_parallel_size", "non_persistent_local_ckpt_al
 #: Where the old ranks' shards sit in the assembled state dict (dist_checkpointing keys tensors by
 #: ``ShardedTensor.key``, not by their place in the dict).
 _SHARDS_KEY = "local_tier_reshard"
+#: The directory of ``--save`` in which the checkpoint is written before it is renamed into place.
+STAGING = ".local_tier_reshard"
 
 
 class ReshardError(RankFailures, RuntimeError):
@@ -190,7 +192,7 @@ def assemble(
     paths: Dict[int, str],
     load_and_verify,
     target: str,
-) -> Tuple[List[str], float, float]:
+) -> Tuple[List[str], float, float, List[str]]:
     """Collective (world): write the local checkpoint of ``iteration`` as a ``torch_dist``
     checkpoint in ``target`` (``--save/iter_<N>``), from the old ranks' shards.
 
@@ -200,15 +202,18 @@ def assemble(
         paths: old rank -> the file this rank loads (only the old ranks ``loaders`` gives it).
         load_and_verify: ``f(path, old_rank) -> state dict`` (an ``MCoreTensorAwareStateDict``
             whose checksums and finiteness were verified), raising on a bad copy.
-        target: the iteration directory to create; it must not exist.
+        target: the iteration directory to create (written as ``--save/.local_tier_reshard/
+            iter_<N>`` and renamed into place when complete); it must not hold a complete
+            checkpoint.
 
     Returns:
         (the files this rank used, seconds spent reading and verifying them (the slowest rank),
-        seconds in all).
+        seconds in all, the directories set aside: an existing incomplete ``target`` is renamed
+        ``<target>.incomplete-<time>``, never deleted).
 
     Raises:
         ReshardError: on every rank together: a copy failed to load or verify (naming it), the
-            target exists, or the write failed.
+            target holds a complete checkpoint, or the write failed.
     """
     from megatron.core import dist_checkpointing
 
@@ -217,14 +222,8 @@ def assemble(
     mine = sorted(o for o, r in loaders.items() if r == me)
     loaded: Dict[int, Any] = {}
     errors: List[tuple] = []  # (old rank or None, text)
-    if me == 0 and os.path.exists(target):
-        errors.append(
-            (
-                None,
-                f"{target} already exists (an interrupted persistent save?): remove it to let "
-                f"the local tier resume there",
-            )
-        )
+    if me == 0 and persistent_dirs.is_complete(target):
+        errors.append((None, f"{target} already holds a complete checkpoint"))
     for old in mine:
         try:
             loaded[old] = load_and_verify(paths[old], old)
@@ -250,27 +249,51 @@ def assemble(
         record = json.loads(record)
     from megatron.training_ext import resume_proof
 
-    made = _on_rank0(lambda: os.makedirs(target), f"creating {target}")
+    # written in a staging directory of --save and renamed into place once complete: a start
+    # killed during the write leaves no half-written iter_<N> (the next start writes it again)
+    root = os.path.dirname(target.rstrip("/"))
+    staged = os.path.join(root, STAGING, os.path.basename(target.rstrip("/")))
+
+    def stage():
+        shutil.rmtree(staged, ignore_errors=True)  # ours: a killed earlier attempt's
+        os.makedirs(staged)
+
+    _on_rank0(stage, f"creating {staged}")
     try:
         with resume_proof.digest_of_save(record):
             dist_checkpointing.save(
                 state,
-                target,
+                staged,
                 content_metadata=content_metadata(common["args"]),
                 validate_access_integrity=True,
             )
         error = None
     except Exception as e:  # noqa: BLE001 - dist_checkpointing raises the same on every rank
         error = exc_text(e)
-        logger.exception("local tier: writing %s failed", target)
+        logger.exception("local tier: writing %s failed", staged)
     errs = gather_objects([error] if error else [])
     if any(errs):
-        if me == 0 and made:  # never leave a half-written iteration of our own behind
-            shutil.rmtree(target, ignore_errors=True)
+        if me == 0:
+            shutil.rmtree(staged, ignore_errors=True)
         raise ReshardError(f"writing {target} failed: {summarize(errs)}")
-    root = os.path.dirname(target.rstrip("/"))
-    _on_rank0(lambda: persistent_dirs.write_tracker(root, iteration), "writing the tracker")
-    return [paths[o] for o in mine], read, time.perf_counter() - t0
+    aside: List[str] = []
+
+    def publish():
+        if os.path.lexists(target):  # an interrupted save of this iteration: kept, renamed
+            old = f"{target}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(target, old)
+            aside.append(old)
+        os.rename(staged, target)
+        try:
+            os.rmdir(os.path.dirname(staged))
+        except OSError:
+            pass
+        persistent_dirs.write_tracker(root, iteration)
+
+    _on_rank0(publish, f"renaming {staged} to {target}")
+    box = [aside]
+    dist.broadcast_object_list(box, src=0)
+    return [paths[o] for o in mine], read, time.perf_counter() - t0, box[0]
 
 
 def _on_rank0(fn, what: str) -> bool:

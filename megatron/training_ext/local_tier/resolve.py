@@ -186,17 +186,25 @@ class LocalTierResolution:
             return Resolution(iterations[0])
         hosts = {r.rank: r.host for r in reports}
         why_not: List[str] = []
+        resharding = False  # the newest iteration's reason is the reshard's (not a verification)
         for it in iterations:
             if persistent is not None and it < persistent:
                 break
             res = self._try_iteration(it, all_copies, hosts, loaded, world, why_not, notes, t0)
-            if (
-                res is None
-                and (persistent is None or it > persistent)
-                and any(c.iteration == it and c.saved_topology is not None for c in pool)
-            ):
+            other_dp = [c for c in pool if c.iteration == it and c.saved_topology is not None]
+            if res is None and other_dp and it == persistent:
+                # e.g. a restart killed after the reshard wrote this iteration: nothing to do
+                self._quarantine()
+                say(
+                    f"local checkpoint at iteration {it} was written at DP "
+                    f"{other_dp[0].saved_topology.get('data_parallel_size')}: the persistent "
+                    f"checkpoint of the same iteration in {load_dir} is loaded (resharded)"
+                )
+                return Resolution(-1)
+            if res is None and (persistent is None or it > persistent) and other_dp:
                 if why_not and why_not[-1].startswith(f"iteration {it}:"):
                     why_not.pop()  # "written under another topology": the reshard says more
+                resharding = resharding or it == iterations[0]
                 res = self._try_reshard(it, pool, why_not, notes, t0)
                 if res is not None:
                     return res
@@ -213,9 +221,8 @@ class LocalTierResolution:
             # newer than what can be used: never offered again
         if len(why_not) == 1:
             why_not = [why_not[0].split(": ", 1)[1]]  # the iteration is named in front
-        reason = f"local checkpoint at iteration {iterations[0]} failed verification: " + "; ".join(
-            why_not
-        )
+        verdict = "cannot be resumed at this DP size" if resharding else "failed verification"
+        reason = f"local checkpoint at iteration {iterations[0]} {verdict}: " + "; ".join(why_not)
         return self._fall_back(reason, load_dir, persistent, notes)
 
     def _try_iteration(
@@ -501,7 +508,7 @@ class LocalTierResolution:
                 if r == me
             }
             try:
-                files, read, seconds = reshard.assemble(
+                files, read, seconds, aside = reshard.assemble(
                     iteration=it,
                     loaders=loaders,
                     paths=paths,
@@ -528,11 +535,15 @@ class LocalTierResolution:
             args.ckpt_step = it  # the persistent tier chose an older one before this decision
         moved = self._quarantine()
         extra = list(notes)
+        if aside:
+            extra.append(
+                f"the incomplete {target} found there (an interrupted save) kept as {aside[0]}"
+            )
         if replaced:
             extra.append("other copies used where these failed: " + "; ".join(replaced))
         if moved:
             extra.append(
-                f"{moved} local checkpoint file(s) of DP {old_dp} set aside (left in place until "
+                f"{moved} local checkpoint file(s) of this rank set aside (left in place until "
                 f"this run's first local save completes)"
             )
         line = (

@@ -83,3 +83,27 @@ def test_missing_eval_interval_is_refused():
         argparse.Namespace(eval_interval=None, full_validation=False, skip_train=True),
     ):
         arg_errors.check_later_failures(ok)
+
+
+def test_replication_groups_that_do_not_divide_the_world_are_refused():
+    """A restart on fewer nodes with the old --replication-jump/--replication-factor: one line
+    naming the flags (NVRx asserts 'Cannot split 2 ranks into replication groups!' later)."""
+    local = dict(non_persistent_ckpt_type="local", replication=True, eval_interval=10)
+    ns = argparse.Namespace(**local, replication_jump=2, replication_factor=2, world_size=2)
+    with pytest.raises(arg_errors.ArgumentMistake) as info:
+        arg_errors.check_later_failures(ns)
+    assert info.value.code == (
+        "pretrain_gpt.py: invalid arguments (--replication-jump=2, --replication-factor=2, world "
+        "size=2): NVRx's replication groups need jump x factor to divide the world size. A "
+        "restart on fewer nodes needs its own values (here e.g. --replication-jump 1 "
+        "--replication-factor 2); the local checkpoints written with the old ones are still used"
+    )
+    for world, jump, factor in ((4, 2, 2), (2, 1, 2), (8, 2, 2)):
+        ok = argparse.Namespace(
+            **local, replication_jump=jump, replication_factor=factor, world_size=world
+        )
+        arg_errors.check_later_failures(ok)
+    no_repl = argparse.Namespace(
+        non_persistent_ckpt_type="local", replication=False, eval_interval=10, world_size=3
+    )
+    arg_errors.check_later_failures(no_repl)
