@@ -57,6 +57,7 @@ from tests.helpers.launch import (
     run_pretrain_reaped,
     start_lines,
     start_node,
+    wait_for_injected_crash,
     wait_until,
 )
 
@@ -273,17 +274,7 @@ def test_two_nodes_lost_node_recovers_from_replica_bitwise(tmp_path, straight, l
     b = _node(work, 1, launcher, rdzv, "first", crash, first_log)
     try:
         # rank 1 (node B) crashes before iteration 13, after the local save of 12
-        wait_until(
-            lambda: "[fault-injection] rank 1: crashing" in b.output()
-            or a.poll() is not None
-            or b.poll() is not None,
-            timeout=900,
-            what="rank 1's injected crash",
-        )
-        assert (
-            f"[fault-injection] rank 1: crashing (os._exit(1)) before iteration {KILL_AT + 1}"
-            in b.output()
-        ), f"node A:\n{a.output()[-4000:]}\nnode B:\n{b.output()[-4000:]}"
+        wait_for_injected_crash(a, b, 1, KILL_AT + 1)
         b.kill_tree()  # node B is lost: its agent and every process of it, SIGKILL
         b_local = local_files(work / "nodeB" / "local")
         assert list(b_local) == [1], f"node B must hold global rank 1 only: {b_local}"

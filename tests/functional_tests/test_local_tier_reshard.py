@@ -35,7 +35,7 @@ from tests.helpers.launch import (
     run_pretrain,
     start_lines,
     start_node,
-    wait_until,
+    wait_for_injected_crash,
 )
 
 pytestmark = pytest.mark.slow
@@ -123,16 +123,7 @@ def node_b_lost(tmp_path_factory) -> Path:
     ]
     a, b = nodes
     try:
-        wait_until(
-            lambda: "[fault-injection] rank 2: crashing" in b.output()
-            or a.poll() is not None
-            or b.poll() is not None,
-            timeout=900,
-            what="rank 2's injected crash",
-        )
-        assert f"rank 2: crashing (os._exit(1)) before iteration {LOST_AT + 1}" in b.output(), (
-            f"node A:\n{a.output()[-4000:]}\nnode B:\n{b.output()[-4000:]}"
-        )
+        wait_for_injected_crash(a, b, 2, LOST_AT + 1)
         b.kill_tree()
         assert a.wait(timeout=600) != 0
     finally:

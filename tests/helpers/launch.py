@@ -491,6 +491,27 @@ class Node:
         return killed
 
 
+def wait_for_injected_crash(a: "Node", b: "Node", rank: int, before_iteration: int) -> None:
+    """Wait until global rank ``rank`` on node ``b`` prints the fault injector's crash line
+    (:mod:`tests.helpers.fault_injection`, ``os._exit(1)``), or an agent exits first.
+
+    Raises:
+        AssertionError: ``rank`` did not crash before ``before_iteration`` (both nodes' output
+            tails in the message), or nothing happened within 900 s.
+    """
+    wait_until(
+        lambda: f"[fault-injection] rank {rank}: crashing" in b.output()
+        or a.poll() is not None
+        or b.poll() is not None,
+        timeout=900,
+        what=f"rank {rank}'s injected crash",
+    )
+    assert (
+        f"[fault-injection] rank {rank}: crashing (os._exit(1)) before iteration {before_iteration}"
+        in b.output()
+    ), f"node A:\n{a.output()[-4000:]}\nnode B:\n{b.output()[-4000:]}"
+
+
 def start_node(
     workdir: Path,
     node_rank: int,
