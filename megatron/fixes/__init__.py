@@ -34,6 +34,7 @@ FIX_MODULES = (
     "megatron.fixes.async_reset",
     "megatron.fixes.rng_state_ep",
     "megatron.fixes.fsdp_rng",
+    "megatron.fixes.missing_checkpoint_exit",
 )
 
 __all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]

@@ -151,6 +151,7 @@ def test_cli_lists_fixes(fixes_cli):
         "async_reset",
         "rng_state_ep",
         "fsdp_rng",
+        "missing_checkpoint_exit",
     )
     for name in names:
         assert f"{name}:" in out.stdout
@@ -187,7 +188,8 @@ def test_apply_logs_one_summary_line_on_rank_zero(caplog, monkeypatch):
 #: The verdict of every fix and part on each proven upstream (python -m megatron.fixes there).
 EXPECTED_ASIDE = {
     "0.19.2": set(),
-    "0.20.0": {"distopt_bucket_offsets"},  # upstream main, d98e8a6: Megatron-LM PR 5077
+    # upstream main, d98e8a6: Megatron-LM PRs 5077 and 6321
+    "0.20.0": {"distopt_bucket_offsets", "missing_checkpoint_exit"},
 }
 
 

@@ -30,7 +30,11 @@ DECLARED_STACKS = {
     ],
     "megatron.training.checkpointing.save_checkpoint": ["modelopt_state", "resume_proof"],
     "megatron.training.training.save_checkpoint": ["modelopt_state", "resume_proof"],
-    "megatron.training.checkpointing._load_base_checkpoint": ["modelopt_state", "resume_proof"],
+    "megatron.training.checkpointing._load_base_checkpoint": [
+        "modelopt_state",
+        "missing_checkpoint_exit",
+        "resume_proof",
+    ],
     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
     "._set_main_param_and_optimizer_states": ["distopt_resume", "distopt_reshard"],
     "megatron.training.checkpointing.load_checkpoint": [
