@@ -28,6 +28,7 @@ from tests.functional_tests.test_quantize_moe import (
     losses,
     misplace_expert_weight_amax,
     read_amax,
+    topology_problems,
 )
 from tests.helpers.launch import run_pretrain
 
@@ -59,10 +60,10 @@ def test_measure_topology_losses(request, tmp_path):
             "--save", str(tmp_path / str(n) / "ckpt"), "--save-interval", "10",
         )  # fmt: skip
         got[name] = losses(run, ITERATIONS)
-        if name == "quantized, other topology":
+        if name == "quantized, other topology":  # the test's own check, on this run
             saved = read_amax(tmp_path / str(n) / "ckpt" / "iter_0000010")
             calibrated = read_amax(state["q"] / "iter_0000005")
-            assert all(torch.equal(saved[k], calibrated[k]) for k in calibrated)
+            assert not topology_problems(state["ref"], run, ITERATIONS, calibrated, saved)
     ref = got["quantized, saved topology"]
     table = {
         "quantized, same topology twice": _relative(got["quantized, saved topology, again"], ref),
