@@ -19,6 +19,7 @@ import os
 import sys
 
 from megatron.overlay import Fix, FixStatus, PatchSpec, UnsupportedUpstreamError
+from megatron.overlay.component import DISABLE_ENV, declared_names, disabled
 
 # One module per upstream defect; each defines ``FIX``. Order matters only for logging.
 FIX_MODULES = (
@@ -37,22 +38,22 @@ FIX_MODULES = (
     "megatron.fixes.missing_checkpoint_exit",
 )
 
-__all__ = ["Fix", "FixStatus", "PatchSpec", "UnsupportedUpstreamError", "apply", "fixes", "reset"]
+__all__ = [
+    "DISABLE_ENV",
+    "Fix",
+    "FixStatus",
+    "PatchSpec",
+    "UnsupportedUpstreamError",
+    "apply",
+    "disabled",
+    "fixes",
+    "reset",
+]
 
 
 def fixes() -> list[Fix]:
     """The registered fixes (importing their modules on first call)."""
     return [importlib.import_module(name).FIX for name in FIX_MODULES]
-
-
-#: Comma-separated fix names to leave out (for bisecting a problem, and for the guard tests that
-#: show the unfixed upstream still fails). Each one left out is logged as a warning.
-DISABLE_ENV = "MEGATRON_FIXES_DISABLE"
-
-
-def disabled() -> set[str]:
-    """Names listed in ``$MEGATRON_FIXES_DISABLE``."""
-    return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
 
 
 def apply(strict: bool = True) -> dict[str, FixStatus]:
@@ -134,11 +135,13 @@ def _apply_all() -> tuple[dict[str, FixStatus], list[str]]:
         except UnsupportedUpstreamError as exc:
             statuses[fix.name] = fix.status
             refused.append(str(exc))
-    unknown = off - {f.name for f in fixes()}
+    known = {f.name for f in fixes()}
+    components = set(declared_names())
+    unknown = off - known - components
     if unknown:
         raise ValueError(
             f"${DISABLE_ENV} names unknown fixes {sorted(unknown)}; "
-            f"known: {sorted(f.name for f in fixes())}"
+            f"known: {sorted(known)}; components: {sorted(components)}"
         )
     return statuses, refused
 

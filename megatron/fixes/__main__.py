@@ -21,14 +21,14 @@ from megatron.fixes import apply, fixes
 from megatron.overlay import quiet
 from megatron.overlay.registry import REGISTRY
 
-#: Entry-point group of the components above the fixes (the CPU backend, the training hooks):
-#: each entry is a callable that installs its component as ``pretrain_gpt.py`` would and returns
-#: the names installed. Declared in pyproject.toml, so this package imports nothing above it.
-COMPONENTS_GROUP = "megatron.overlay.components"
+#: Entry-point group of what installs the components above the fixes (the CPU backend, the
+#: training hooks) as ``pretrain_gpt.py`` would: each entry is a callable returning the names
+#: installed. Declared in pyproject.toml, so this package imports nothing above it.
+LISTING_GROUP = "megatron.overlay.listing"
 
 
 def install_components() -> list[str]:
-    """Install the components registered under :data:`COMPONENTS_GROUP` (the CPU backend without
+    """Install the components through the installers registered under :data:`LISTING_GROUP` (the CPU backend without
     a CUDA device, the persistent and local tiers, the resume proof, the loss log); returns the
     names installed.
 
@@ -38,10 +38,10 @@ def install_components() -> list[str]:
     """
     from importlib.metadata import entry_points
 
-    found = sorted(entry_points(group=COMPONENTS_GROUP), key=lambda ep: ep.name)
+    found = sorted(entry_points(group=LISTING_GROUP), key=lambda ep: ep.name)
     if not found:
         raise RuntimeError(
-            f"no {COMPONENTS_GROUP} entry points: install the project (scripts/setup.sh, or "
+            f"no {LISTING_GROUP} entry points: install the project (scripts/setup.sh, or "
             "pip install -e .) to list the CPU backend and the training hooks too, or pass "
             "--fixes-only"
         )

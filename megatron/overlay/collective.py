@@ -54,6 +54,28 @@ def failure_lines(
     return lines
 
 
+def summarize(gathered: list, limit: int = 3, width: int = 300) -> str:
+    """``[[messages of rank 0], [messages of rank 1], ...]`` -> one line: each distinct message
+    once (shortened to ``width`` characters), with the ranks that reported it; at most ``limit``
+    messages, then a count of the rest."""
+    by_text: dict[str, list[int]] = {}
+    for r, msgs in enumerate(gathered):
+        for m in msgs or []:
+            by_text.setdefault(str(m), []).append(r)
+    items = list(by_text.items())
+    shown = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {_shorten(t, width)}"
+        for t, rs in items[:limit]
+    )
+    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+    return shown + more
+
+
+def _shorten(text: str, limit: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj`` (``[obj]`` without an initialised process group).
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron.overlay import pins
 from megatron.overlay.errors import UnsupportedUpstreamError
-from megatron.overlay.patch import Patch
+from megatron.overlay.patch import Patch, check_patches
 from megatron.overlay.registry import Patcher, PatchRecord
 
 __all__ = ["Fix", "FixGroup", "FixStatus", "PatchSpec"]
@@ -135,15 +135,7 @@ class Fix:
         """What changed at the declared patch points (empty when all are as expected; see
         :meth:`Patch.check`). A fix whose patches are not declared as :class:`Patch` cannot be
         checked and reports so."""
-        problems = []
-        for p in self.patches:
-            if not isinstance(p, Patch):
-                problems.append(f"{p.target}: not a declared Patch, cannot be checked")
-                continue
-            problem = p.check()
-            if problem:
-                problems.append(problem)
-        return problems
+        return check_patches(self.patches)
 
     def install(self, patcher: Patcher) -> None:
         """Install the declared patches through ``patcher``, in order; called at most once between

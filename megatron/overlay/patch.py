@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from megatron.overlay.registry import Patcher
 
-__all__ = ["SKIP", "Patch", "alias_of", "current", "resolve", "value"]
+__all__ = ["SKIP", "Patch", "alias_of", "check_patches", "current", "resolve", "value"]
 
 _MISSING = object()
 
@@ -98,6 +98,21 @@ class Patch:
         if new is not SKIP:
             patcher.replace(owner, name, new, self.why)
         return new
+
+
+def check_patches(patches: Any) -> list[str]:
+    """What changed at the patch points of ``patches`` (empty when all are as expected; see
+    :meth:`Patch.check`); an entry that is not a declared :class:`Patch` cannot be checked and is
+    reported so. Fixes and components check their points with it."""
+    problems = []
+    for p in patches:
+        if not isinstance(p, Patch):
+            problems.append(f"{p.target}: not a declared Patch, cannot be checked")
+            continue
+        problem = p.check()
+        if problem:
+            problems.append(problem)
+    return problems
 
 
 def resolve(target: str) -> tuple[Any, str]:

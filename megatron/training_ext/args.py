@@ -373,7 +373,7 @@ def install_training_hooks(args: argparse.Namespace) -> None:
     if args.loss_log:
         from megatron.training_ext import loss_log
 
-        loss_log.install(args.loss_log)
+        loss_log.COMPONENT.install(args)
     if getattr(args, "non_persistent_ckpt_type", None) == "local" and getattr(
         args, "local_tier_validation", True
     ):

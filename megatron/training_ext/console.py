@@ -15,3 +15,22 @@ def write_line(line: str) -> None:
     """
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def process_rank() -> int:
+    """This process's global rank (0 without an initialised process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rank0_line(prefix: str, line: str) -> None:
+    """``f"{prefix} {line}"`` on global rank 0 only (every process without a process group): the
+    one line a collective decision prints for the whole job (:func:`write_line`)."""
+    if process_rank() == 0:
+        write_line(f"{prefix} {line}")
+
+
+def rank_line(prefix: str, line: str) -> None:
+    """``f"{prefix} rank R: {line}"`` on this rank: a line only this rank can say."""
+    write_line(f"{prefix} rank {process_rank()}: {line}")

@@ -16,22 +16,34 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
-from megatron.overlay import Patch, Patcher, wraps_upstream
-
-_installed: dict[str, object] = {}
-_PATCHER = Patcher("loss_log")
-_launch: dict[int, str] = {}  # pid -> this launch's id (a forked rank gets its own)
+from megatron.overlay import Patch, wraps_upstream
+from megatron.overlay.component import Component
 
 
-def _launch_id() -> str:
-    pid = os.getpid()
-    if pid not in _launch:
-        _launch.clear()
-        _launch[pid] = f"{int(time.time())}-{pid}"
-    return _launch[pid]
+@dataclass
+class LossLogState:
+    """The loss log of one install.
+
+    Attributes:
+        path: the JSON-lines file the last rank appends to.
+        launch: pid -> this launch's id (start time in seconds and pid; a forked rank gets its
+            own).
+    """
+
+    path: str
+    launch: dict[int, str] = field(default_factory=dict)
+
+    def launch_id(self) -> str:
+        pid = os.getpid()
+        if pid not in self.launch:
+            self.launch.clear()
+            self.launch[pid] = f"{int(time.time())}-{pid}"
+        return self.launch[pid]
 
 
 def _as_float(value) -> float | None:
@@ -62,23 +74,23 @@ def wrap_training_log(upstream):
         **kwargs,
     ):
         """Upstream's ``training_log``, after appending this iteration's losses to the log."""
-        path = _installed["path"]
+        state = COMPONENT.state
         rank_ok = (
             not torch.distributed.is_initialized()
             or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
         )
-        if rank_ok and loss_dict:
+        if state is not None and rank_ok and loss_dict:
             record: dict[str, object] = {
                 "iteration": int(iteration),
                 "skipped": int(skipped_iter),
-                "launch": _launch_id(),
+                "launch": state.launch_id(),
             }
             for key, value in list(loss_dict.items()) + [("grad norm", grad_norm)]:
                 v = _as_float(value)
                 if v is not None:
                     record[key] = v.hex()
                     record[f"{key} (decimal)"] = v
-            with open(path, "a") as f:
+            with open(state.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return upstream(
             loss_dict,
@@ -97,26 +109,41 @@ def wrap_training_log(upstream):
     return training_log
 
 
-#: What :func:`install` replaces.
-PATCHES = (
-    Patch(
-        "megatron.training.training.training_log",
-        wrap_training_log,
-        "--loss-log: each iteration's reduced losses and grad norm, exact (float.hex)",
-        params=("loss_dict", "iteration", "skipped_iter", "grad_norm"),
-    ),
-)
+class LossLog(Component[LossLogState]):
+    """``--loss-log PATH``: the last rank appends each iteration's losses to ``PATH``."""
+
+    name = "loss_log"
+    title = "--loss-log: exact (float.hex) per-iteration losses and grad norm, as JSON lines"
+    patches = (
+        Patch(
+            "megatron.training.training.training_log",
+            wrap_training_log,
+            "--loss-log: each iteration's reduced losses and grad norm, exact (float.hex)",
+            params=("loss_dict", "iteration", "skipped_iter", "grad_norm"),
+        ),
+    )
+
+    def enabled(self, args) -> bool:
+        return bool(getattr(args, "loss_log", None))
+
+    def new_state(self, args) -> LossLogState:
+        return LossLogState(path=args.loss_log)
+
+
+#: The component (entry point ``loss_log``); a second install with another path redirects the log.
+COMPONENT = LossLog()
+PATCHES = LossLog.patches
 
 
 def install(path: str) -> None:
-    """Wrap ``training_log`` so that the last rank appends each iteration's losses to ``path``
-    (a JSON line per iteration; a second call with another path redirects the log)."""
-    if _installed.get("path") == path:
-        return
-    _installed["path"] = path
-    _PATCHER.restore()  # a new path: wrap the current upstream afresh
-    for patch in PATCHES:
-        patch.install(_PATCHER)
+    """Install the loss log appending to ``path`` (a JSON line per iteration; a second call with
+    another path redirects the log)."""
+    COMPONENT.install(SimpleNamespace(loss_log=path))
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    COMPONENT.uninstall()
 
 
 def read(path: str) -> dict[int, dict[str, object]]:

@@ -1,0 +1,214 @@
+"""A component: a part of this fork that changes upstream's behaviour while the run's arguments
+switch it on (the persistent tier, the resume proof, the validated local tier, the loss log, the
+CPU backend), declared like a :class:`~megatron.overlay.fix.Fix`.
+
+A :class:`Component` declares its name, its patches (:class:`~megatron.overlay.patch.Patch`),
+which components it must be installed after, when the arguments enable it, and the state object
+each install creates. The base owns the lifecycle: :meth:`Component.install` checks the patch
+points with the code the fixes use (raising :class:`UnsupportedUpstreamError` when upstream
+changed), creates the state and installs the patches; a second install (a new start of training
+in the same process) starts from a fresh state in the same object, so nothing an earlier attempt
+decided carries over; :meth:`Component.uninstall` undoes it. The state lives on the component,
+never in module globals. Design: ``docs/overlay.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import is_dataclass
+from typing import Any, ClassVar, Generic, Optional, TypeVar
+
+from megatron.overlay.errors import UnsupportedUpstreamError
+from megatron.overlay.patch import Patch, check_patches
+from megatron.overlay.registry import Patcher, PatchRecord
+
+__all__ = [
+    "COMPONENTS_GROUP",
+    "DISABLE_ENV",
+    "Component",
+    "declared_components",
+    "declared_names",
+    "disabled",
+]
+
+logger = logging.getLogger("megatron.overlay")
+
+S = TypeVar("S")
+
+#: Comma-separated names of fixes or components to leave out (for bisecting a problem, and for the
+#: guard tests that show the unfixed upstream still fails). Each one left out is logged.
+DISABLE_ENV = "MEGATRON_FIXES_DISABLE"
+
+#: Entry-point group naming every component (``name = "module:INSTANCE"``, in ``pyproject.toml``),
+#: so that ``python -m megatron.fixes`` and the disable switch know them without importing the
+#: packages above the fixes.
+COMPONENTS_GROUP = "megatron.overlay.components"
+
+
+def disabled() -> set[str]:
+    """Names listed in ``$MEGATRON_FIXES_DISABLE``."""
+    return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+
+
+def declared_names() -> list[str]:
+    """The components' names from their entry points (nothing is imported)."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=COMPONENTS_GROUP))
+
+
+def declared_components() -> list["Component"]:
+    """Every declared component (importing its module), in install order: each after those it
+    names in :attr:`Component.after`, else by name.
+
+    Raises:
+        TypeError: an entry point does not name a :class:`Component`.
+        ValueError: ``after`` names an unknown component or the order has a cycle.
+    """
+    from importlib.metadata import entry_points
+
+    found = {}
+    for ep in entry_points(group=COMPONENTS_GROUP):
+        obj = ep.load()
+        if not isinstance(obj, Component):
+            raise TypeError(f"entry point {COMPONENTS_GROUP}:{ep.name} is not a Component: {obj!r}")
+        found[obj.name] = obj
+    return install_order(list(found.values()))
+
+
+def install_order(components: list["Component"]) -> list["Component"]:
+    """``components`` sorted so that each comes after those it names in ``after`` (ties by name).
+
+    Raises:
+        ValueError: ``after`` names a component not in ``components``, or a cycle.
+    """
+    by_name = {c.name: c for c in components}
+    for c in components:
+        unknown = [n for n in c.after if n not in by_name]
+        if unknown:
+            raise ValueError(f"component {c.name} is declared after unknown {unknown}")
+    order: list[Component] = []
+    pending = sorted(by_name)
+    while pending:
+        ready = [n for n in pending if all(a in {o.name for o in order} for a in by_name[n].after)]
+        if not ready:
+            raise ValueError(f"components {pending} name each other in 'after' (a cycle)")
+        order.append(by_name[ready[0]])
+        pending.remove(ready[0])
+    return order
+
+
+class Component(Generic[S]):
+    """Base of every component. Subclasses set the class attributes and :meth:`new_state`;
+    override :meth:`enabled` when arguments switch the component, :meth:`started` /
+    :meth:`stopped` for work beyond the declared patches. One instance per component, created at
+    import of its module and named by its entry point.
+
+    Attributes:
+        name: the component's name (registry owner, ``$MEGATRON_FIXES_DISABLE``, listings).
+        title: one line: what the component changes.
+        patches: the declared replacements, installed in order.
+        after: names of the components this one is installed after (its patches wrap theirs).
+        state: the state of the current install (``None`` while not installed).
+    """
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    patches: ClassVar[tuple[Patch, ...]] = ()
+    after: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.state: Optional[S] = None
+        self.patcher = Patcher(self.name)
+        self._warned_disabled = False
+
+    # -- declarations -------------------------------------------------------------------------
+    def enabled(self, args: Any) -> bool:
+        """Whether ``args`` switch the component on (default: always)."""
+        return True
+
+    def new_state(self, args: Any) -> S:
+        """The state of one install for ``args`` (a dataclass instance, so that a reinstall can
+        refresh it in place)."""
+        raise NotImplementedError
+
+    def started(self, state: S) -> None:
+        """Called after the patches are installed by a first install (default: nothing)."""
+
+    def stopped(self, state: S) -> None:
+        """Called by :meth:`uninstall` before the patches are undone (default: nothing)."""
+
+    def check_patch_points(self) -> list[str]:
+        """What changed at the declared patch points (empty when all are as expected)."""
+        return check_patches(self.patches)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return self.state is not None
+
+    def install(self, args: Any = None) -> Optional[S]:
+        """Install for ``args``; idempotent. Returns the state, or ``None`` when the component is
+        not enabled by ``args`` (an installed one is then uninstalled) or is named in
+        ``$MEGATRON_FIXES_DISABLE`` (logged once).
+
+        A second call on an installed component keeps its patches and replaces every field of
+        the state with a fresh one's, in the same object (holders keep it): each start of
+        training in a process begins as a new process would.
+
+        Raises:
+            UnsupportedUpstreamError: a declared patch point is missing or lost a parameter the
+                replacement relies on (upstream changed), naming it; nothing is installed.
+        """
+        if self.name in disabled():
+            if not self._warned_disabled:
+                logger.warning(
+                    "component %s: disabled by $%s: upstream's behaviour is back",
+                    self.name,
+                    DISABLE_ENV,
+                )
+                self._warned_disabled = True
+            return None
+        if not self.enabled(args):
+            self.uninstall()
+            return None
+        fresh = self.new_state(args)
+        if self.state is not None:
+            if is_dataclass(self.state) and type(fresh) is type(self.state):
+                vars(self.state).update(vars(fresh))
+            else:
+                self.state = fresh
+            return self.state
+        problems = self.check_patch_points()
+        if problems:
+            raise UnsupportedUpstreamError(
+                f"{self.name}: {problems[0]}; this component relies on it "
+                "(megatron/overlay/pins.py lists the proven upstreams)"
+            )
+        self.state = fresh
+        try:
+            for patch in self.patches:
+                patch.install(self.patcher)
+            self.started(fresh)
+        except BaseException:
+            self.uninstall()
+            raise
+        logger.debug("component %s: installed", self.name)
+        return fresh
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` (tests; a reinstall with the component switched off)."""
+        state, self.state = self.state, None
+        try:
+            if state is not None:
+                self.stopped(state)
+        finally:
+            self.patcher.restore()
+
+    def records(self) -> list[PatchRecord]:
+        """This component's live records in the registry."""
+        return self.patcher.records()
+
+    def __repr__(self) -> str:
+        return f"<component {self.name}: {'installed' if self.installed else 'not installed'}>"
