@@ -96,9 +96,11 @@ def _digest_fn(blocks, states, world):
     from megatron.integrity import state_digest as sd
     from megatron.training_ext import resume_proof as rp
 
-    def digest():
-        acc = rp._Partial()
-        with rp._no_torch_function():  # as the resume proof reads them
+    exchange = rp.DigestExchange()
+
+    def digest(combine=exchange.exchange):
+        acc = rp.PartialDigest()
+        with rp.no_torch_function():  # as the resume proof reads them
             for i, (key, data, goff, gshape, replica) in enumerate(blocks):
                 if replica != 0:
                     continue
@@ -108,7 +110,7 @@ def _digest_fn(blocks, states, world):
                     v = sd.range_sum(data, 0, data.numel(), lshape, goff, gshape, values=value)
                     acc.add(f"optimizer.state.{name}.{key}", v, gshape, value.dtype, "optimizer")
         mine = (acc.sums, acc.meta, acc.skipped, {"torch": "0" * 16}, {"optimizer_step": []}, None)
-        sums, meta, *_ = rp._exchange(mine)
+        sums, meta, *_ = combine(mine)
         out = {}
         for key, parts in sums.items():
             numel = 1
@@ -118,8 +120,7 @@ def _digest_fn(blocks, states, world):
         return out
 
     def gathering():  # the first digest of a process: all_gather_object
-        rp._SLOTS = None
-        return digest()
+        return digest(exchange.gather_all)
 
     return digest, gathering
 

@@ -27,19 +27,17 @@ def _share(rank: int, salt: int, extra_key: bool = False, error=None):
 def _body(rank, world):
     from megatron.training_ext import resume_proof as rp
 
-    rp._SLOTS = None
+    ex = rp.DigestExchange()
 
     def both(share):
-        fast = rp._exchange(share)  # the cached path where slots exist
-        slots, rp._SLOTS = rp._SLOTS, None
-        slow = rp._gather_all(share)
-        rp._SLOTS = slots
+        fast = ex.exchange(share)  # the cached path where slots exist
+        slow = rp.DigestExchange().gather_all(share)
         fast = ({k: sum(v) % (1 << 64) for k, v in fast[0].items()},) + tuple(fast[1:])
         slow = ({k: sum(v) % (1 << 64) for k, v in slow[0].items()},) + tuple(slow[1:])
         return fast, slow
 
-    first = rp._exchange(_share(rank, 3))
-    assert rp._SLOTS is not None and first[3][1]["torch"] == _share(1, 3)[3]["torch"]
+    first = ex.exchange(_share(rank, 3))
+    assert ex.slots is not None and first[3][1]["torch"] == _share(1, 3)[3]["torch"]
     fast, slow = both(_share(rank, 5))
     assert fast == slow
     sums, meta, skipped, rngs, steps = fast
@@ -49,13 +47,13 @@ def _body(rank, world):
     # rank 1's description changes: every rank takes the gathering path, then the new slots
     changed = _share(rank, 6, extra_key=rank == 1)
     fast, slow = both(changed)
-    assert fast == slow and fast[0]["new"] == 6 and "new" in rp._SLOTS.keys
+    assert fast == slow and fast[0]["new"] == 6 and "new" in ex.slots.keys
     # the ranks' descriptions swap (a restart that renumbered them): gathered again, not misplaced
     fast, slow = both(_share(1 - rank, 8))
     assert fast == slow and fast[3] == [_share(1, 8)[3], _share(0, 8)[3]]
     # a rank fails: every rank raises, with its text
     with pytest.raises(rp.DigestUnavailable, match="rank 1: TypeError: no byte view"):
-        rp._exchange(
+        ex.exchange(
             _share(
                 rank,
                 7,
@@ -63,7 +61,6 @@ def _body(rank, world):
                 error="rank 1: TypeError: no byte view" if rank else None,
             )
         )
-    rp._SLOTS = None
 
 
 def test_cached_exchange_equals_gathering():
