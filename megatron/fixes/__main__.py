@@ -28,9 +28,9 @@ LISTING_GROUP = "megatron.overlay.listing"
 
 
 def install_components() -> list[str]:
-    """Install the components through the installers registered under :data:`LISTING_GROUP` (the CPU backend without
-    a CUDA device, the persistent and local tiers, the resume proof, the loss log); returns the
-    names installed.
+    """Install the components through the installers registered under :data:`LISTING_GROUP`
+    (the CPU backend without a CUDA device, the persistent and local tiers, the resume proof, the
+    loss log); returns the names installed.
 
     Raises:
         RuntimeError: no component is registered (the project is not installed: ``pip install
