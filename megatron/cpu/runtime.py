@@ -183,19 +183,14 @@ class CudaToCpuMode(TorchFunctionMode):
     every random op that targets a stand-in GPU tensor (or a CUDA device) on the CUDA stand-in
     generator (see :func:`random_callables`, :func:`is_host_tensor`).
 
-    Args:
-        random: the callables that draw random numbers (:attr:`CpuBackendState.random`).
-        host: the tensors kept in host memory (:attr:`CpuBackendState.host`), shared by the modes
-            of every thread of one activation.
+    The random callables and the host tensors are read from :data:`COMPONENT`'s state at each
+    call, not kept on the mode: torch.compile traces this method and resolves module globals, not
+    the attributes of a mode on its stack; the modes of every thread share them.
     """
 
-    def __init__(self, random: frozenset = frozenset(), host: Optional[dict] = None) -> None:
-        super().__init__()
-        self.random = random
-        self.host = {} if host is None else host
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        host = self.host
+        state = COMPONENT.state
+        host = state.host if state is not None else {}
         if type(func) is _DEVICE_GETTER and func.__self__ is _DEVICE_DESCRIPTOR:
             device = func(*args)
             if device.type == "cpu" and not (host and _in_host(host, args[0])):
@@ -247,7 +242,12 @@ class CudaToCpuMode(TorchFunctionMode):
             on_gpu = target is not None and not (
                 host and _in_host(host, target) and not _any_gpu_tensor(host, args, kwargs)
             )
-        if func in self.random and kwargs.get("generator") is None and on_gpu:
+        if (
+            state is not None
+            and func in state.random
+            and kwargs.get("generator") is None
+            and on_gpu
+        ):
             with cuda_generator_as_default():
                 out = func(*args, **kwargs)
         else:
@@ -271,7 +271,7 @@ def _in_mode(fn):
         state = COMPONENT.state
         if state is None or torch._C._is_torch_function_mode_enabled() and _mode_on_stack():
             return fn(*args, **kwargs)
-        with CudaToCpuMode(state.random, state.host):
+        with CudaToCpuMode():
             return fn(*args, **kwargs)
 
     return in_cpu_mode
@@ -478,7 +478,7 @@ class CpuBackend(Component[CpuBackendState]):
         """Seed the CUDA stand-in generator and enter the mode on this thread."""
         state.random = random_callables()
         CUDA_GENERATOR.manual_seed(0)
-        state.mode = CudaToCpuMode(state.random, state.host)
+        state.mode = CudaToCpuMode()
         state.mode.__enter__()
         logger.info(
             "cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads()
