@@ -1,14 +1,17 @@
 """CPU backend: run upstream's real ``megatron.training.pretrain`` on CPU with gloo.
 
-:func:`activate` installs a small runtime layer instead of patching the ~35 places where
-Megatron-LM assumes a CUDA device: :class:`CudaToCpuMode` (a ``TorchFunctionMode`` mapping every
+:func:`activate` installs the component :data:`COMPONENT` (:class:`CpuBackend`), a small
+runtime layer instead of patching the ~35 places where Megatron-LM assumes a CUDA device:
+:class:`CudaToCpuMode` (a ``TorchFunctionMode`` mapping every
 ``cuda`` device argument to ``cpu``, entered in every thread and around custom backwards),
 stand-ins for the ``torch.cuda`` functions Megatron calls, and a CPU ``torch.Generator`` playing
 the CUDA generator: every random op a GPU run would run on the GPU (:mod:`megatron.cpu.rng_routing`)
 draws from it, so a resumed run is bitwise identical to an uninterrupted one, dropout included.
 A few narrow Megatron-level patches (``initialize_megatron(allow_no_cuda=True)``, no CUDA
 ``device_id`` for gloo, the prebuilt dataset helper, ``_lazy_call``, MoE split sizes) are recorded
-in :mod:`megatron.overlay.registry`. Design notes: ``docs/cpu-backend.md``.
+in :mod:`megatron.overlay.registry`. What one activation holds (the entered mode, the random
+callables, the tensors kept in host memory) is its :class:`CpuBackendState`. Design notes:
+``docs/cpu-backend.md``.
 
 Raises at :func:`activate` when a CUDA device is usable (the backend would shadow it).
 """
@@ -19,7 +22,8 @@ import contextlib
 import logging
 import types
 import weakref
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,22 +40,49 @@ from megatron.cpu.rng_routing import (  # noqa: F401  (re-exported: tests, calle
     random_callables,
     seeded_aten_ops,
 )
-from megatron.overlay import Patch, Patcher, alias_of, value, wraps_upstream
+from megatron.overlay import Patch, alias_of, value, wraps_upstream
+from megatron.overlay.component import Component
 
 logger = logging.getLogger("megatron.cpu")
 
-_state: dict[str, Any] = {"active": False, "patcher": None, "mode": None, "logged": set()}
+#: What :func:`activate` raises when a CUDA device is usable.
+CUDA_PRESENT = (
+    "megatron.cpu: a CUDA device is available; the CPU backend would shadow it. "
+    "Run without --cpu to train on the GPU, or set CUDA_VISIBLE_DEVICES= to force the CPU "
+    "backend."
+)
+
+
+@dataclass
+class CpuBackendState:
+    """What one activation of the CPU backend holds (this process).
+
+    Attributes:
+        mode: the :class:`CudaToCpuMode` entered on the activating thread (``None`` until then).
+        random: every callable that draws random numbers (:func:`random_callables`): run on the
+            CUDA stand-in generator when it targets a stand-in GPU tensor.
+        host: the tensors a GPU run keeps in host memory (:func:`is_host_tensor`): id -> weak
+            reference (a ``WeakSet`` would compare tensors with ``==``).
+        logged: what was intercepted and logged already (each once).
+    """
+
+    mode: Optional["CudaToCpuMode"] = None
+    random: frozenset = frozenset()
+    host: dict[int, weakref.ref] = field(default_factory=dict)
+    logged: set[str] = field(default_factory=set)
 
 
 def _log_once(what: str) -> None:
-    if what not in _state["logged"]:
-        _state["logged"].add(what)
+    state = COMPONENT.state
+    if state is None or what not in state.logged:
+        if state is not None:
+            state.logged.add(what)
         logger.info("cpu backend: intercepted %s", what)
 
 
 def is_active() -> bool:
-    """True once :func:`activate` has run in this process."""
-    return _state["active"]
+    """True once :func:`activate` has run in this process (and :func:`deactivate` has not)."""
+    return COMPONENT.installed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,31 +101,24 @@ _T = torch.Tensor
 _NOOP_METHODS = frozenset((_T.pin_memory, _T.record_stream))
 
 
-_RANDOM: list[frozenset] = [frozenset()]  # random_callables(), set by activate()
-
-#: Tensors a GPU run keeps in host memory (see :func:`is_host_tensor`): id -> weak reference
-#: (a ``WeakSet`` would compare tensors with ``==``).
-_HOST: dict[int, weakref.ref] = {}
-
-
-def _in_host(t: torch.Tensor) -> bool:
-    ref = _HOST.get(id(t))
+def _in_host(host: dict, t: torch.Tensor) -> bool:
+    ref = host.get(id(t))
     return ref is not None and ref() is t
 
 
-def _add_host(t: torch.Tensor) -> None:
+def _add_host(host: dict, t: torch.Tensor) -> None:
     key = id(t)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
-        if _HOST.get(key) is ref:
-            del _HOST[key]
+        if host.get(key) is ref:
+            del host[key]
 
-    _HOST[key] = weakref.ref(t, forget)
+    host[key] = weakref.ref(t, forget)
 
 
-def _discard_host(t: torch.Tensor) -> None:
-    if _in_host(t):
-        del _HOST[id(t)]
+def _discard_host(host: dict, t: torch.Tensor) -> None:
+    if _in_host(host, t):
+        del host[id(t)]
 
 
 #: What ``Tensor.device`` answers for a stand-in GPU tensor: a CPU device equal to any other, but
@@ -115,9 +139,10 @@ def is_host_tensor(t: torch.Tensor) -> bool:
     GPU result, as mixing is legal on a GPU only with 0-dim host tensors). ``.cuda()``/
     ``.to("cuda")`` makes it a GPU tensor again. Every other tensor (parameters after
     ``model.cuda()``, activations, gradients, anything made with a CUDA device) stands in for a GPU
-    tensor.
+    tensor. False while the backend is not active.
     """
-    return _in_host(t)
+    state = COMPONENT.state
+    return state is not None and _in_host(state.host, t)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -133,41 +158,48 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _any_gpu_tensor(args: tuple, kwargs: dict) -> bool:
+def _any_gpu_tensor(host: dict, args: tuple, kwargs: dict) -> bool:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
-            if not _in_host(a):
+            if not _in_host(host, a):
                 return True
         elif isinstance(a, (tuple, list)):
-            if any(isinstance(x, torch.Tensor) and not _in_host(x) for x in a):
+            if any(isinstance(x, torch.Tensor) and not _in_host(host, x) for x in a):
                 return True
     return False
 
 
-def _mark_host(out: Any) -> None:
+def _mark_host(host: dict, out: Any) -> None:
     if isinstance(out, torch.Tensor):
-        _add_host(out)
+        _add_host(host, out)
     elif isinstance(out, (tuple, list)):
         for o in out:
             if isinstance(o, torch.Tensor):
-                _add_host(o)
+                _add_host(host, o)
 
 
 class CudaToCpuMode(TorchFunctionMode):
     """Maps CUDA devices to CPU for every torch function called while the mode is active, and runs
     every random op that targets a stand-in GPU tensor (or a CUDA device) on the CUDA stand-in
-    generator (see :func:`random_callables`, :func:`is_host_tensor`)."""
+    generator (see :func:`random_callables`, :func:`is_host_tensor`).
+
+    The random callables and the host tensors are read from :data:`COMPONENT`'s state at each
+    call, not kept on the mode: torch.compile traces this method and resolves module globals, not
+    the attributes of a mode on its stack; the modes of every thread share them.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        state = COMPONENT.state
+        host = state.host if state is not None else {}
         if type(func) is _DEVICE_GETTER and func.__self__ is _DEVICE_DESCRIPTOR:
             device = func(*args)
-            if device.type == "cpu" and not (_HOST and _in_host(args[0])):
+            if device.type == "cpu" and not (host and _in_host(host, args[0])):
                 return GPU_DEVICE
             return device
         kwargs = dict(kwargs) if kwargs else {}
         if func is _T.cuda:
             _log_once("Tensor.cuda()")
-            _discard_host(args[0])
+            _discard_host(host, args[0])
             return args[0]
         if func in _NOOP_METHODS:
             _log_once(f"Tensor.{func.__name__}()")
@@ -208,20 +240,25 @@ class CudaToCpuMode(TorchFunctionMode):
             # default device is the CPU on a GPU machine too; otherwise the op runs on the GPU if
             # any tensor argument is a GPU one (mixing is legal on GPU only for 0-dim host ones).
             on_gpu = target is not None and not (
-                _HOST and _in_host(target) and not _any_gpu_tensor(args, kwargs)
+                host and _in_host(host, target) and not _any_gpu_tensor(host, args, kwargs)
             )
-        if func in _RANDOM[0] and kwargs.get("generator") is None and on_gpu:
+        if (
+            state is not None
+            and func in state.random
+            and kwargs.get("generator") is None
+            and on_gpu
+        ):
             with cuda_generator_as_default():
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if on_gpu:
             if func is _T.to and out is target:
-                _discard_host(target)
+                _discard_host(host, target)
         elif out is not target and (
-            target is None or func in _TO_HOST or _in_host(target) or device is not None
+            target is None or func in _TO_HOST or _in_host(host, target) or device is not None
         ):  # a host op: its results stay on host
-            _mark_host(out)
+            _mark_host(host, out)
         return out
 
 
@@ -231,7 +268,8 @@ def _in_mode(fn):
     @wraps_upstream(fn)
     def in_cpu_mode(*args, **kwargs):
         """Runs the wrapped function with the CUDA-to-CPU torch function mode active."""
-        if not _state["active"] or torch._C._is_torch_function_mode_enabled() and _mode_on_stack():
+        state = COMPONENT.state
+        if state is None or torch._C._is_torch_function_mode_enabled() and _mode_on_stack():
             return fn(*args, **kwargs)
         with CudaToCpuMode():
             return fn(*args, **kwargs)
@@ -319,8 +357,8 @@ _MOE_WHY = (
     "then fails on them (as_numpy is skipped for CPU tensors)"
 )
 
-#: Megatron-level patches of the CPU backend (installed by :func:`activate` after the torch.cuda
-#: stand-ins of :func:`declared_patches`).
+#: Megatron-level patches of the CPU backend (installed after the torch.cuda stand-ins of
+#: :func:`declared_patches`).
 MEGATRON_PATCHES = (
     Patch(
         "megatron.training.training.initialize_megatron",
@@ -390,9 +428,6 @@ def declared_patches() -> tuple[Patch, ...]:
     return tuple(out) + MEGATRON_PATCHES
 
 
-# ----------------------------------------------------------------------------------------------
-# activate / deactivate
-# ----------------------------------------------------------------------------------------------
 def _unique(value: Any) -> Any:
     """A distinct function object per stand-in: torch._dynamo keys its trace rules by function
     identity and refuses one object registered under two torch.cuda names."""
@@ -406,6 +441,59 @@ def _unique(value: Any) -> Any:
     return standin
 
 
+# ----------------------------------------------------------------------------------------------
+# The component; activate / deactivate
+# ----------------------------------------------------------------------------------------------
+class CpuBackend(Component[CpuBackendState]):
+    """The CPU backend (``pretrain_gpt.py --cpu``): installed at start, before the arguments are
+    parsed (:func:`megatron.training_ext.args.prepare_cpu_backend`); every patch of
+    :func:`declared_patches`, then the mode entered on the installing thread. A second install
+    keeps the activation as it is (the mode stays entered)."""
+
+    name = "cpu"
+    title = "the CPU backend (--cpu): upstream's training loop on CPU with gloo"
+    installed_at = "startup"
+    patches = declared_patches()
+
+    def new_state(self, args: Any) -> CpuBackendState:
+        """A fresh activation; checks first that no CUDA device is usable (before any patch).
+
+        Raises:
+            RuntimeError: a real CUDA device is present and usable (:data:`CUDA_PRESENT`).
+        """
+        if torch.cuda.is_available():
+            raise RuntimeError(CUDA_PRESENT)
+        import megatron.core  # noqa: F401  (upstream imports see the real torch.cuda first)
+
+        return CpuBackendState()
+
+    def install(self, args: Any = None) -> Optional[CpuBackendState]:
+        """:meth:`Component.install`, but a second call changes nothing (the entered mode and
+        the tensors kept in host memory stay those of the first)."""
+        if self.state is not None:
+            return self.state
+        return super().install(args)
+
+    def started(self, state: CpuBackendState) -> None:
+        """Seed the CUDA stand-in generator and enter the mode on this thread."""
+        state.random = random_callables()
+        CUDA_GENERATOR.manual_seed(0)
+        state.mode = CudaToCpuMode()
+        state.mode.__enter__()
+        logger.info(
+            "cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads()
+        )
+
+    def stopped(self, state: CpuBackendState) -> None:
+        """Leave the mode (on the thread that entered it)."""
+        if state.mode is not None:
+            state.mode.__exit__(None, None, None)
+
+
+#: The component (entry point ``cpu``).
+COMPONENT = CpuBackend()
+
+
 def activate() -> None:
     """Install the CPU backend in this process; idempotent.
 
@@ -415,34 +503,11 @@ def activate() -> None:
     Raises:
         RuntimeError: a real CUDA device is present and usable; the CPU backend refuses to shadow it
             (set ``CUDA_VISIBLE_DEVICES=`` to force CPU).
+        UnsupportedUpstreamError: a declared patch point changed upstream; nothing is installed.
     """
-    if _state["active"]:
-        return
-    if torch.cuda.is_available():
-        raise RuntimeError(
-            "megatron.cpu: a CUDA device is available; the CPU backend would shadow it. "
-            "Run without --cpu to train on the GPU, or set CUDA_VISIBLE_DEVICES= to force the CPU "
-            "backend."
-        )
-    import megatron.core  # noqa: F401  (upstream imports see the real torch.cuda first)
-
-    p = Patcher("cpu")
-    for patch in declared_patches():
-        patch.install(p)
-    _RANDOM[0] = random_callables()
-    CUDA_GENERATOR.manual_seed(0)
-    mode = CudaToCpuMode()
-    mode.__enter__()
-    _state.update(active=True, patcher=p, mode=mode)
-    logger.info(
-        "cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads()
-    )
+    COMPONENT.install()
 
 
 def deactivate() -> None:
     """Undo :func:`activate` (for tests). Must be called on the thread that activated."""
-    if not _state["active"]:
-        return
-    _state["mode"].__exit__(None, None, None)
-    _state["patcher"].restore()
-    _state.update(active=False, patcher=None, mode=None)
+    COMPONENT.uninstall()

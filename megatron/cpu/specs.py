@@ -7,7 +7,9 @@ its core attention as ``DotProductAttention``, which rejects MLA's ``k_channels`
 (``TypeError``), and the local spec cannot express the fused down projection
 (``--mla-down-proj-fusion``; upstream builds it only from Transformer Engine modules and silently
 falls back to the unfused attention otherwise). So for MLA the core attention is swapped for
-:mod:`megatron.cpu.mla_attention`'s, with the fused down projection when asked for.
+:mod:`megatron.cpu.mla_attention`'s, with the fused down projection when asked for; the MTP block
+spec is wrapped by the component :data:`COMPONENT` (:class:`CpuMlaSpec`, ``cpu_mla``), which
+:func:`adapt_model_config` installs for an MLA model.
 
 Design notes: ``docs/cpu-backend.md``.
 """
@@ -15,15 +17,14 @@ Design notes: ``docs/cpu-backend.md``.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
-from megatron.overlay import Patch, Patcher, wraps_upstream
+from megatron.overlay import Patch, wraps_upstream
+from megatron.overlay.component import Component
 
 #: Attribute set on an adapted ``GPTModelConfig``: ``{'fuse_down_proj': bool, 'base': spec}``.
 MARK = "_cpu_backend_mla"
-
-_patcher = Patcher("cpu")
-_state: dict[str, Any] = {"installed": False}
 
 
 def _fuse(model_cfg) -> bool:
@@ -84,7 +85,7 @@ def wrap_mtp_block_spec(original):
     return cpu_mtp_block_spec
 
 
-#: What :func:`install` replaces.
+#: What :data:`COMPONENT` replaces.
 PATCHES = (
     Patch(
         "megatron.training.models.gpt.mtp_block_spec",
@@ -96,19 +97,47 @@ PATCHES = (
 )
 
 
+@dataclass
+class CpuMlaState:
+    """An install of :class:`CpuMlaSpec` (it holds nothing: the adapted config carries the mark)."""
+
+
+def _is_mla(model_cfg: Any) -> bool:
+    return bool(getattr(getattr(model_cfg, "transformer", None), "multi_latent_attention", False))
+
+
+class CpuMlaSpec(Component[CpuMlaState]):
+    """The MTP inner layer of an MLA model rebuilt with the CPU attention; installed by
+    :func:`adapt_model_config` (``pretrain_gpt.py --cpu``) when the model config has Multi-Latent
+    Attention, not by the training hooks."""
+
+    name = "cpu_mla"
+    title = (
+        "--cpu with Multi-Latent Attention: the MTP inner layer built with the CPU MLA attention"
+    )
+    installed_at = "model"
+    patches = PATCHES
+
+    def enabled(self, model_cfg: Any) -> bool:
+        """A ``GPTModelConfig`` with ``multi_latent_attention`` (``None``: :func:`install`)."""
+        return model_cfg is None or _is_mla(model_cfg)
+
+    def new_state(self, model_cfg: Any) -> CpuMlaState:
+        return CpuMlaState()
+
+
+#: The component (entry point ``cpu_mla``).
+COMPONENT = CpuMlaSpec()
+
+
 def install() -> None:
     """Wrap upstream's ``mtp_block_spec`` (idempotent; :func:`reset` undoes it)."""
-    if _state["installed"]:
-        return
-    for patch in PATCHES:
-        patch.install(_patcher)
-    _state["installed"] = True
+    COMPONENT.install()
 
 
 def reset() -> None:
     """Undo :func:`install` (tests)."""
-    _patcher.restore()
-    _state["installed"] = False
+    COMPONENT.uninstall()
 
 
 def adapt_model_config(model_cfg) -> None:
@@ -125,7 +154,7 @@ def adapt_model_config(model_cfg) -> None:
             same arguments, so every rank raises.
     """
     transformer = model_cfg.transformer
-    if not getattr(transformer, "multi_latent_attention", False):
+    if not _is_mla(model_cfg):
         return
     if getattr(model_cfg, MARK, None) is not None:
         return
@@ -147,4 +176,4 @@ def adapt_model_config(model_cfg) -> None:
         model_cfg, MARK, {"fuse_down_proj": fuse, "base": model_cfg.transformer_layer_spec}
     )
     model_cfg.transformer_layer_spec = cpu_transformer_layer_spec
-    install()
+    COMPONENT.install(model_cfg)

@@ -6,7 +6,9 @@ Usage::
     megatron.fixes.apply()          # idempotent; pretrain_gpt.py calls it before anything else
 
 ``python -m megatron.fixes [--json]`` lists each fix, the upstream report it answers, whether it is
-active, and every upstream attribute replaced (:mod:`megatron.overlay.registry`). Importing this
+active, every component above the fixes (:mod:`megatron.overlay.component`, as declared) and every
+upstream attribute replaced (:mod:`megatron.overlay.registry`). ``$MEGATRON_FIXES_DISABLE`` names
+fixes or components to leave out. Importing this
 package does no work beyond definitions: the fix modules (which import upstream) are loaded by
 :func:`fixes`.
 """

@@ -3,12 +3,13 @@ switch it on (the persistent tier, the resume proof, the validated local tier, t
 CPU backend), declared like a :class:`~megatron.overlay.fix.Fix`.
 
 A :class:`Component` declares its name, its patches (:class:`~megatron.overlay.patch.Patch`),
-which components it must be installed after, when the arguments enable it, and the state object
-each install creates. The base owns the lifecycle: :meth:`Component.install` checks the patch
-points with the code the fixes use (raising :class:`UnsupportedUpstreamError` when upstream
-changed), creates the state and installs the patches; a second install (a new start of training
-in the same process) starts from a fresh state in the same object, so nothing an earlier attempt
-decided carries over; :meth:`Component.uninstall` undoes it. The state lives on the component,
+which components it must be installed after, at which moment of a start it is installed
+(:data:`INSTALLED_AT`), when the arguments enable it, and the state object each install
+creates. The base owns the lifecycle: :meth:`Component.install` checks the patch points with the
+code the fixes use (raising :class:`UnsupportedUpstreamError` when upstream changed), creates the
+state and installs the patches; a second install (a new start of training in the same process)
+starts from a fresh state in the same object, so nothing an earlier attempt decided carries over;
+:meth:`Component.uninstall` undoes it. The state lives on the component,
 never in module globals. Design: ``docs/overlay.md``.
 """
 
@@ -20,12 +21,14 @@ from dataclasses import is_dataclass
 from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 from megatron.overlay.errors import UnsupportedUpstreamError
+from megatron.overlay.fix import PatchSpec
 from megatron.overlay.patch import Patch, check_patches
 from megatron.overlay.registry import Patcher, PatchRecord
 
 __all__ = [
     "COMPONENTS_GROUP",
     "DISABLE_ENV",
+    "INSTALLED_AT",
     "Component",
     "declared_components",
     "declared_names",
@@ -44,6 +47,14 @@ DISABLE_ENV = "MEGATRON_FIXES_DISABLE"
 #: so that ``python -m megatron.fixes`` and the disable switch know them without importing the
 #: packages above the fixes.
 COMPONENTS_GROUP = "megatron.overlay.components"
+
+#: When a component is installed (:attr:`Component.installed_at`), in the order of a start of
+#: ``pretrain_gpt.py``: what each moment means.
+INSTALLED_AT = {
+    "startup": "at start, before the arguments are parsed (by its own flag, e.g. --cpu)",
+    "training": "before pretrain(), by the training hooks, as the arguments enable it",
+    "model": "when the model config is built, as the config enables it",
+}
 
 
 def disabled() -> set[str]:
@@ -64,7 +75,8 @@ def declared_components() -> list["Component"]:
 
     Raises:
         TypeError: an entry point does not name a :class:`Component`.
-        ValueError: ``after`` names an unknown component or the order has a cycle.
+        ValueError: ``after`` names an unknown component, the order has a cycle, or
+            ``installed_at`` is not a key of :data:`INSTALLED_AT`.
     """
     from importlib.metadata import entry_points
 
@@ -73,6 +85,11 @@ def declared_components() -> list["Component"]:
         obj = ep.load()
         if not isinstance(obj, Component):
             raise TypeError(f"entry point {COMPONENTS_GROUP}:{ep.name} is not a Component: {obj!r}")
+        if obj.installed_at not in INSTALLED_AT:
+            raise ValueError(
+                f"component {obj.name}: installed_at {obj.installed_at!r} is not one of "
+                f"{sorted(INSTALLED_AT)}"
+            )
         found[obj.name] = obj
     return install_order(list(found.values()))
 
@@ -110,6 +127,9 @@ class Component(Generic[S]):
         title: one line: what the component changes.
         patches: the declared replacements, installed in order.
         after: names of the components this one is installed after (its patches wrap theirs).
+        installed_at: when a start installs it (a key of :data:`INSTALLED_AT`): ``"training"``
+            (default) by the training hooks for every component so declared, each deciding by
+            :meth:`enabled`; ``"startup"`` and ``"model"`` by the code that owns that moment.
         state: the state of the current install (``None`` while not installed).
     """
 
@@ -117,6 +137,7 @@ class Component(Generic[S]):
     title: ClassVar[str]
     patches: ClassVar[tuple[Patch, ...]] = ()
     after: ClassVar[tuple[str, ...]] = ()
+    installed_at: ClassVar[str] = "training"
 
     def __init__(self) -> None:
         self.state: Optional[S] = None
@@ -209,6 +230,36 @@ class Component(Generic[S]):
     def records(self) -> list[PatchRecord]:
         """This component's live records in the registry."""
         return self.patcher.records()
+
+    # -- listing ------------------------------------------------------------------------------
+    def specs(self) -> tuple[PatchSpec, ...]:
+        """The declared patches as listed (target, the factory's dotted path, why); read off the
+        declarations, nothing is installed."""
+        return tuple(
+            PatchSpec(
+                p.target,
+                f"{getattr(p.factory, '__module__', '?')}."
+                f"{getattr(p.factory, '__qualname__', repr(p.factory))}",
+                p.why,
+            )
+            for p in self.patches
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The component as ``python -m megatron.fixes --json`` lists it: ``name``, ``title``,
+        ``installed_at``, ``after`` (list), ``installed`` (bool) and ``patches`` (a list of
+        ``{target, replacement, why}``, declared)."""
+        return {
+            "name": self.name,
+            "title": self.title,
+            "installed_at": self.installed_at,
+            "after": list(self.after),
+            "installed": self.installed,
+            "patches": [
+                {"target": s.target, "replacement": s.replacement, "why": s.why}
+                for s in self.specs()
+            ],
+        }
 
     def __repr__(self) -> str:
         return f"<component {self.name}: {'installed' if self.installed else 'not installed'}>"

@@ -11,6 +11,8 @@ import argparse
 import logging
 import os
 
+from megatron.overlay.component import declared_components
+
 logger = logging.getLogger("megatron.training_ext")
 
 #: Flags ``--cpu`` adds when the command line does not set them: gloo, CPU initialisation, the local
@@ -119,8 +121,15 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
 
 
 def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``extra_args_provider`` for upstream's parser: this fork's flags."""
+    """``extra_args_provider`` for upstream's parser: this fork's flags, in one argument group."""
     group = parser.add_argument_group("megatron-lm-fixed", "flags of this fork (see README)")
+    for add in (_add_run_flags, _add_local_tier_flags, _add_proof_flags, _add_save_dir_flags):
+        add(group)
+    return parser
+
+
+def _add_run_flags(group: argparse._ArgumentGroup) -> None:
+    """``--cpu``, ``--loss-log``, ``--restore-modelopt-state``."""
     group.add_argument(
         "--cpu",
         action="store_true",
@@ -143,7 +152,10 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "freshly built model, so quantizers load and train under any TP/EP/ETP. "
         "Upstream 0.19.2 lacks this step (megatron.post_training).",
     )
-    # Validated local checkpoint tier (megatron/training_ext/local_tier/).
+
+
+def _add_local_tier_flags(group: argparse._ArgumentGroup) -> None:
+    """The validated local checkpoint tier (megatron/training_ext/local_tier/)."""
     group.add_argument(
         "--no-local-tier-validation",
         dest="local_tier_validation",
@@ -176,7 +188,11 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "using local checkpoints across a deliberate change of those "
         "settings, or to tell apart runs that share all of them.",
     )
-    # Persistent tier (megatron/training_ext/persistent_tier.py).
+
+
+def _add_proof_flags(group: argparse._ArgumentGroup) -> None:
+    """Checksums of the persistent tier (megatron/training_ext/persistent_tier.py) and the resume
+    proof (megatron/training_ext/resume_proof.py)."""
     group.add_argument(
         "--no-verify-integrity",
         dest="persistent_integrity",
@@ -188,7 +204,6 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "fails. File sizes are checked at load either way. Upstream's "
         "--verify-integrity additionally requires integrity.json at load.",
     )
-    # Resume proof (megatron/training_ext/resume_proof.py).
     group.add_argument(
         "--resume-proof",
         choices=("error", "warn", "off"),
@@ -199,7 +214,11 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "before training. error (default): a load whose state differs stops "
         "every rank naming the tensors; warn: continue, loudly; off: neither.",
     )
-    # One job per --save (megatron/training_ext/save_hold.py).
+
+
+def _add_save_dir_flags(group: argparse._ArgumentGroup) -> None:
+    """One job per ``--save`` (megatron/training_ext/save_hold.py) and ``--overwrite-save``
+    (megatron/training_ext/persistent_tier.py)."""
     group.add_argument(
         "--take-save-hold",
         action="store_true",
@@ -230,7 +249,6 @@ def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "load (no --load, or --load of another directory); its saves then "
         "overwrite them. Without it such a start is refused.",
     )
-    return parser
 
 
 def entrypoint_parser() -> argparse.ArgumentParser:
@@ -363,58 +381,54 @@ def _validate_local_tier_args(args: argparse.Namespace) -> None:
 
 
 def install_training_hooks(args: argparse.Namespace) -> None:
-    """Install the training-path behaviour this fork's flags switch on (called before pretrain)."""
-    from megatron.training_ext import persistent_tier
+    """Install the training-path behaviour this fork's flags switch on (called before pretrain):
+    every declared component installed by the training hooks (``installed_at == "training"``:
+    the persistent tier, the resume proof, the validated local tier, the loss log), in their
+    declared order (each after those it names in ``after``), each deciding by its own
+    ``enabled(args)``. The CPU backend is installed before parsing (:func:`prepare_cpu_backend`)
+    and the CPU MLA spec by the model config (:func:`megatron.cpu.specs.adapt_model_config`).
 
-    persistent_tier.install(args)
-    from megatron.training_ext import resume_proof
+    Raises:
+        UnsupportedUpstreamError: a component's patch point changed upstream, naming it.
+        TypeError, ValueError: a component's declaration is wrong (see
+            :func:`megatron.overlay.component.declared_components`).
+    """
+    for component in declared_components():
+        if component.installed_at == "training":
+            component.install(args)
 
-    resume_proof.install(args)  # after the persistent tier: its load proof wraps the fallbacks
-    if args.loss_log:
-        from megatron.training_ext import loss_log
 
-        loss_log.COMPONENT.install(args)
-    if getattr(args, "non_persistent_ckpt_type", None) == "local" and getattr(
-        args, "local_tier_validation", True
-    ):
-        from megatron.training_ext import local_tier
-
-        local_tier.install(args)
+#: A command line that switches every component on that flags switch on, for the listing.
+LISTING_ARGV = (
+    "pretrain_gpt.py",
+    "--non-persistent-ckpt-type",
+    "local",
+    "--loss-log",
+    os.devnull,
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+)
 
 
 def install_for_listing() -> list[str]:
-    """Install what ``pretrain_gpt.py`` installs above the fixes for a run with every component
-    on (the CPU backend without a CUDA device; the persistent tier, the validated local tier, the
-    resume proof and the loss log, as for ``--non-persistent-ckpt-type local --loss-log PATH``),
-    for ``python -m megatron.fixes``; returns the names installed. Registered as the
-    ``megatron.overlay.components`` entry point ``training_ext`` (pyproject.toml)."""
-    import os
+    """Install the declared components as ``pretrain_gpt.py`` would for :data:`LISTING_ARGV`
+    (every component a flag switches on), with ``--cpu`` when no CUDA device is present, for
+    ``python -m megatron.fixes``; returns the names of the components installed, in declared
+    order. A component switched on by something other than flags (``cpu_mla``: an MLA model
+    config) stays uninstalled; the listing shows its declaration. Registered as the
+    ``megatron.overlay.listing`` entry point ``training_ext`` (pyproject.toml)."""
     import sys
 
     import torch
-
-    installed = []
-    argv = [
-        "pretrain_gpt.py",
-        "--non-persistent-ckpt-type",
-        "local",
-        "--loss-log",
-        os.devnull,
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "128",
-    ]
-    if not torch.cuda.is_available():
-        argv.append("--cpu")
-        if prepare_cpu_backend(argv):
-            from megatron.cpu import specs
-
-            specs.install()
-            installed.append("cpu")
     from megatron.training.arguments import parse_args
 
+    argv = list(LISTING_ARGV)
+    if not torch.cuda.is_available():
+        argv.append("--cpu")
+        prepare_cpu_backend(argv)
     saved = sys.argv
     sys.argv = argv
     try:
@@ -423,4 +437,4 @@ def install_for_listing() -> list[str]:
         sys.argv = saved
     validate_fork_args(args)
     install_training_hooks(args)
-    return installed + ["persistent_tier", "local_tier", "resume_proof", "loss_log"]
+    return [c.name for c in declared_components() if c.installed]

@@ -8,9 +8,13 @@ files hashed by rank 0), so a flipped byte loads silently and a truncated file f
 load with a bare ``EOFError``. What this module changes, and the flags that restore upstream's
 behaviour, are in ``docs/persistent-tier.md``.
 
-Patch points (recorded by :data:`_PATCHER`): ``megatron.core.dist_checkpointing.save``, ``load``
-and ``load_common_state_dict`` (package attributes and ``serialization``'s), and
-``load_checkpoint`` in ``megatron.training.checkpointing`` and ``megatron.training.training``.
+The component :data:`COMPONENT` (:class:`PersistentTier`) declares the patch points
+(:data:`PATCHES`): ``megatron.core.dist_checkpointing.save``, ``load`` and
+``load_common_state_dict`` (package attributes and ``serialization``'s), the checkpoint writers'
+``open``, ``get_save_function_and_args`` and ``finish``, and ``read_metadata`` and
+``load_checkpoint`` in ``megatron.training.checkpointing`` and ``megatron.training.training``; what
+one install decided (the policy, the directories verified, the trackers overruled) is its
+:class:`PersistentTierState`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import inspect
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -30,14 +34,20 @@ from megatron.integrity import manifest as mf
 from megatron.integrity import persistent_dirs, write_digest
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.overlay import Patch, Patcher, alias_of, wraps_upstream
-from megatron.training_ext.console import write_line
+from megatron.overlay.component import Component
+from megatron.training_ext import resume_proof
+from megatron.training_ext.console import rank0_line
 
 logger = logging.getLogger("megatron.training_ext.persistent_tier")
 
 __all__ = [
+    "COMPONENT",
     "LOG_PREFIX",
     "OVERWRITE_FLAG",
     "CheckpointIntegrityError",
+    "IntegrityPolicy",
+    "PersistentTier",
+    "PersistentTierState",
     "check_model_shape",
     "check_resume_shape",
     "check_save_dir",
@@ -130,30 +140,42 @@ def check_save_dir(args: Any) -> None:
 
 
 @dataclass
-class _Policy:
-    write: bool = True  # write integrity.json at every torch_dist save
-    verify: bool = True  # hash the bytes at load when integrity.json is present
-    require: bool = False  # integrity.json must be present (upstream's --verify-integrity)
+class IntegrityPolicy:
+    """What the persistent tier does with checksums (from the arguments of one install).
+
+    Attributes:
+        write: write ``integrity.json`` at every ``torch_dist`` save.
+        verify: hash the bytes at load when ``integrity.json`` is present.
+        require: ``integrity.json`` must be present (upstream's ``--verify-integrity``).
+    """
+
+    write: bool = True
+    verify: bool = True
+    require: bool = False
 
 
-_POLICY: Optional[_Policy] = None
-_PATCHER = Patcher("persistent_tier")
-_VERIFIED: Dict[str, mf.VerifySummary] = {}  # realpath -> what was verified (this process)
+@dataclass
+class PersistentTierState:
+    """What one install of the persistent tier decided (this process).
+
+    Attributes:
+        policy: the checksum policy of this install's arguments.
+        verified: real path of a checkpoint directory -> what its verification found (each
+            directory is verified once per install: a new start verifies afresh).
+        overruled: real paths of the trackers :func:`resume_point` overruled (their
+            ``read_metadata`` names no iteration: ``--ckpt-step`` decides).
+    """
+
+    policy: IntegrityPolicy = field(default_factory=IntegrityPolicy)
+    verified: Dict[str, mf.VerifySummary] = field(default_factory=dict)
+    overruled: set = field(default_factory=set)
 
 
-def installed() -> bool:
-    return _POLICY is not None
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _say(line: str) -> None:
-    if _rank() == 0:
-        write_line(f"{LOG_PREFIX} {line}")
+def _state() -> PersistentTierState:
+    """The installed state, else a fresh default one (the wrappers called while not installed:
+    write and verify, nothing remembered)."""
+    state = COMPONENT.state
+    return state if state is not None else PersistentTierState()
 
 
 def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
@@ -164,10 +186,11 @@ def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
     load verifies later."""
     import torch.distributed as dist
 
-    policy = _POLICY or _Policy()
+    state = _state()
+    policy = state.policy
     d = Path(str(checkpoint_dir))
     key = os.path.realpath(d)  # the same on every rank (a stamp read per rank might not be)
-    if key in _VERIFIED:
+    if key in state.verified:
         return
     collective = dist.is_available() and dist.is_initialized()
     hash_bytes = policy.verify and collective
@@ -180,24 +203,27 @@ def _ensure_verified(checkpoint_dir: Any, require: bool, group=None) -> None:
     )
     if not collective:
         return
-    _VERIFIED[key] = summary
+    state.verified[key] = summary
     if summary.algorithm is None and summary.notes and "unreadable" in summary.notes[0]:
-        _say(f"{d.name}: {summary.notes[0]}")
+        rank0_line(LOG_PREFIX, f"{d.name}: {summary.notes[0]}")
     elif summary.algorithm is None:
-        _say(
+        rank0_line(
+            LOG_PREFIX,
             f"{d.name}: no {mf.INTEGRITY_FNAME} (saved without checksums, e.g. by upstream "
             f"Megatron-LM or with --no-verify-integrity): file sizes checked against .metadata, "
-            f"bytes not verified"
+            f"bytes not verified",
         )
     elif hash_bytes:
-        _say(
+        rank0_line(
+            LOG_PREFIX,
             f"{d.name}: verified {summary.files} files, {summary.bytes / 1e6:.1f} MB "
-            f"({summary.algorithm}) in {summary.seconds * 1e3:.0f} ms"
+            f"({summary.algorithm}) in {summary.seconds * 1e3:.0f} ms",
         )
     else:
-        _say(
+        rank0_line(
+            LOG_PREFIX,
             f"{d.name}: sizes of {summary.files} files checked (--no-verify-integrity: bytes not "
-            f"verified)"
+            f"verified)",
         )
 
 
@@ -215,13 +241,11 @@ def _wrap_save(orig):
         """dist_checkpointing.save that writes integrity.json (xxh3 blocks, hashed by the ranks
         that wrote the files) by default (megatron.training_ext.persistent_tier)."""
         ba = _bind(sig, args, kwargs)
-        policy = _POLICY or _Policy()
-        write = policy.write or bool(ba.arguments.get("verify_integrity"))
+        state = _state()
+        write = state.policy.write or bool(ba.arguments.get("verify_integrity"))
         ba.arguments["verify_integrity"] = False
-        _VERIFIED.pop(os.path.realpath(str(ba.arguments["checkpoint_dir"])), None)  # rewritten now
+        state.verified.pop(os.path.realpath(str(ba.arguments["checkpoint_dir"])), None)  # rewritten
         request = orig(*ba.args, **ba.kwargs)
-        from megatron.training_ext import resume_proof
-
         resume_proof.write_pending(ba.arguments["checkpoint_dir"])  # before the manifest
         if not write:
             return request
@@ -416,9 +440,6 @@ def _learned_positions(args: Any) -> bool:
     return getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute"
 
 
-_OVERRULED: set = set()  # realpaths of the trackers overruled by resume_point (this process)
-
-
 def _wrap_read_metadata(orig):
     @wraps_upstream(orig)
     def read_metadata(tracker_filename):
@@ -428,7 +449,7 @@ def _wrap_read_metadata(orig):
         problem = persistent_dirs.read_tracker(os.path.dirname(tracker_filename) or ".").problem
         if problem is None:
             return orig(tracker_filename)
-        if os.path.realpath(tracker_filename) in _OVERRULED:
+        if os.path.realpath(tracker_filename) in _state().overruled:
             return -1, False
         raise SystemExit(
             f"pretrain_gpt.py: {problem}; write the iteration to resume from into it, or remove it "
@@ -476,8 +497,8 @@ def _wrap_load_checkpoint(orig, get_args):
         if not user_step:
             step, line = resume_point(load_dir)
             if step is not None:
-                _say(line)
-                _OVERRULED.add(os.path.realpath(os.path.join(load_dir, TRACKER)))
+                rank0_line(LOG_PREFIX, line)
+                _state().overruled.add(os.path.realpath(os.path.join(load_dir, TRACKER)))
                 margs.ckpt_step = step
         if load_dir:
             target = margs.ckpt_step or persistent_dirs.read_tracker(load_dir).iteration
@@ -501,11 +522,12 @@ def _wrap_load_checkpoint(orig, get_args):
                             e.detail,
                             _no_fallback_advice(failed, user_step, failures),
                         ) from None
-                    _say(
+                    rank0_line(
+                        LOG_PREFIX,
                         f"{failed.name} failed verification:\n"
                         + "\n".join(f"  {p}" for p in e.problems)
                         + f"\n{LOG_PREFIX} falling back to the previous complete checkpoint, "
-                        f"iter_{nxt:07d}"
+                        f"iter_{nxt:07d}",
                     )
                     margs.ckpt_step = nxt
         finally:
@@ -571,7 +593,6 @@ _OPEN_PATCH = Patch(
     "records what this save wrote, not what is on disk later",
     adds=True,
 )
-_WORKER_PATCHER = Patcher("persistent_tier (writer process)")
 
 
 def write_with_token(token: str, fn, *args, **kwargs):
@@ -582,7 +603,7 @@ def write_with_token(token: str, fn, *args, **kwargs):
 
     fsa = importlib.import_module(_FSA)
     if getattr(fsa, "open", None) is not write_digest.hashing_open:
-        _OPEN_PATCH.install(_WORKER_PATCHER)
+        _OPEN_PATCH.install(COMPONENT.writer_patcher)
     return write_digest.run_with_token(token, fn, *args, **kwargs)
 
 
@@ -698,52 +719,77 @@ PATCHES = tuple(
 )
 
 
+class PersistentTier(Component[PersistentTierState]):
+    """The persistent tier: checksums at save, verification at load, the fallback to the previous
+    complete checkpoint and the tracker overruled by the newest complete one; on for every run
+    (``--no-verify-integrity`` writes and hashes nothing, sizes are still checked).
+
+    Attributes:
+        writer_patcher: what :func:`write_with_token` installs in a process that runs the
+            checkpoint writer without having installed the component (a spawned worker); undone
+            with the component.
+    """
+
+    name = "persistent_tier"
+    title = (
+        "the persistent tier: integrity.json at every torch_dist save, verified before a load, "
+        "fallback to the previous complete checkpoint, the tracker as a hint"
+    )
+    patches = PATCHES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writer_patcher = Patcher("persistent_tier (writer process)")
+
+    def new_state(self, args: Any) -> PersistentTierState:
+        """``args.persistent_integrity`` False (``--no-verify-integrity``): no manifest written,
+        sizes still checked at load; ``args.verify_integrity`` (upstream's flag): the manifest is
+        required. Missing attributes take those defaults (True, False)."""
+        integrity = bool(getattr(args, "persistent_integrity", True))
+        return PersistentTierState(
+            IntegrityPolicy(
+                write=integrity,
+                verify=integrity,
+                require=bool(getattr(args, "verify_integrity", False)),
+            )
+        )
+
+    def started(self, state: PersistentTierState) -> None:
+        policy = state.policy
+        logger.info(
+            "persistent_tier: installed (write=%s verify=%s require=%s)",
+            policy.write,
+            policy.verify,
+            policy.require,
+        )
+
+    def stopped(self, state: PersistentTierState) -> None:
+        self.writer_patcher.restore()
+
+
+#: The component (entry point ``persistent_tier``).
+COMPONENT = PersistentTier()
+
+
+def installed() -> bool:
+    """Whether the persistent tier is installed in this process."""
+    return COMPONENT.installed
+
+
 def install(args: Any) -> None:
     """Install checksums at save, verification at load and the fallback, for ``args``
-    (``install_training_hooks`` calls it). Idempotent: a second call (a new start of training
-    in the same process) updates the policy and forgets which directories were verified, so each
-    attempt verifies what it loads afresh.
-
-    ``args.persistent_integrity`` False (``--no-verify-integrity``): no manifest written, sizes
-    still checked at load; ``args.verify_integrity`` (upstream's flag): the manifest is required.
+    (``install_training_hooks`` installs :data:`COMPONENT`). Idempotent: a second call (a new
+    start of training in the same process) replaces the policy and forgets which directories were
+    verified and which trackers overruled, so each attempt verifies what it loads afresh.
 
     Raises:
-        RuntimeError: the upstream functions wrapped here are missing or lack the parameters
-            relied on (a megatron-core other than 0.19.2), naming the function.
+        UnsupportedUpstreamError: the upstream functions wrapped here are missing or lack the
+            parameters relied on (a megatron-core other than the proven ones), naming the
+            function; nothing is installed.
     """
-    global _POLICY
-    policy = _Policy(
-        write=bool(getattr(args, "persistent_integrity", True)),
-        verify=bool(getattr(args, "persistent_integrity", True)),
-        require=bool(getattr(args, "verify_integrity", False)),
-    )
-    if _POLICY is not None:
-        _POLICY = policy
-        _VERIFIED.clear()
-        _OVERRULED.clear()
-        return
-    problems = [problem for patch in PATCHES if (problem := patch.check())]
-    if problems:
-        raise RuntimeError(
-            f"persistent_tier: {problems[0]}; this module relies on it (megatron/overlay/pins.py "
-            "lists the proven upstreams)"
-        )
-    _POLICY = policy
-    for patch in PATCHES:
-        patch.install(_PATCHER)
-    logger.info(
-        "persistent_tier: installed (write=%s verify=%s require=%s)",
-        policy.write,
-        policy.verify,
-        policy.require,
-    )
+    COMPONENT.install(args)
 
 
 def uninstall() -> None:
     """Undo :func:`install` (tests)."""
-    global _POLICY
-    _PATCHER.restore()
-    _WORKER_PATCHER.restore()
-    _VERIFIED.clear()
-    _OVERRULED.clear()
-    _POLICY = None
+    COMPONENT.uninstall()

@@ -107,7 +107,7 @@ def test_adapt_model_config_no_op_and_errors():
     dense = fsdp_cpu_mla_bodies._mla_gpt_config(False)
     dense.transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     specs.adapt_model_config(dense)
-    assert dense.transformer_layer_spec is None and not specs._state["installed"]
+    assert dense.transformer_layer_spec is None and not specs.COMPONENT.installed
 
     cfg = fsdp_cpu_mla_bodies._mla_gpt_config(True)
     cfg.transformer = dataclasses.replace(cfg.transformer, q_lora_rank=None)
@@ -117,6 +117,6 @@ def test_adapt_model_config_no_op_and_errors():
     cfg.transformer.attention_backend = AttnBackend.local
     with pytest.raises(ValueError, match="attention-backend local"):
         specs.adapt_model_config(cfg)
-    assert cfg.transformer_layer_spec is None and not specs._state["installed"]
+    assert cfg.transformer_layer_spec is None and not specs.COMPONENT.installed
     with pytest.raises(ValueError, match="not adapted"):
         specs.cpu_transformer_layer_spec(cfg)

@@ -232,7 +232,7 @@ def _body(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             _flip(fixed / "__1_0.distcp", off)
         dist.barrier()
-        pt._VERIFIED.clear()  # a new process would verify again
+        pt.COMPONENT.state.verified.clear()  # a new process would verify again
         with pytest.raises(mf.CheckpointIntegrityError) as e:  # on both ranks
             _load(fixed, rank, world)
         (p,) = e.value.problems
@@ -241,7 +241,7 @@ def _body(rank: int, world: int, tmp: str) -> None:
         assert "decoder.w" in p.holds and "__1_0.distcp: bytes differ" in str(e.value)
 
         # without a manifest (upstream's checkpoint), a truncated file is named from .metadata
-        pt._VERIFIED.clear()
+        pt.COMPONENT.state.verified.clear()
         if rank == 0:
             size = (up / "__0_0.distcp").stat().st_size
             with open(up / "__0_0.distcp", "r+b") as f:
@@ -254,7 +254,7 @@ def _body(rank: int, world: int, tmp: str) -> None:
         ):
             _load(up, rank, world)
         # upstream's --verify-integrity semantics: a checkpoint without integrity.json is refused
-        pt._VERIFIED.clear()
+        pt.COMPONENT.state.verified.clear()
         with pytest.raises(mf.CheckpointIntegrityError, match="integrity.json: missing"):
             _load(up, rank, world, verify_integrity=True)
 

@@ -204,11 +204,15 @@ def test_integrity_flags_reach_the_policy():
     parser.add_argument("--verify-integrity", action="store_true")  # upstream's flag
     try:
         pt.install(parser.parse_args([]))
-        assert (pt._POLICY.write, pt._POLICY.verify, pt._POLICY.require) == (True, True, False)
+        assert (
+            pt.COMPONENT.state.policy.write,
+            pt.COMPONENT.state.policy.verify,
+            pt.COMPONENT.state.policy.require,
+        ) == (True, True, False)
         pt.install(parser.parse_args(["--no-verify-integrity"]))
-        assert (pt._POLICY.write, pt._POLICY.verify) == (False, False)
+        assert (pt.COMPONENT.state.policy.write, pt.COMPONENT.state.policy.verify) == (False, False)
         pt.install(parser.parse_args(["--verify-integrity"]))
-        assert pt._POLICY.require is True
+        assert pt.COMPONENT.state.policy.require is True
     finally:
         pt.uninstall()
     with pytest.raises(SystemExit, match="contradict each other"):
@@ -221,9 +225,9 @@ def test_a_second_start_in_one_process_verifies_again():
     args = argparse.Namespace(persistent_integrity=True, verify_integrity=False)
     try:
         pt.install(args)
-        pt._VERIFIED["/ckpt/iter_0000008"] = object()
+        pt.COMPONENT.state.verified["/ckpt/iter_0000008"] = object()
         pt.install(args)
-        assert pt._VERIFIED == {}
+        assert pt.COMPONENT.state.verified == {}
     finally:
         pt.uninstall()
 

@@ -173,11 +173,14 @@ def test_damaged_tracker_stops_with_code_1_not_0(tmp_path):
     with pytest.raises(SystemExit) as e:
         wrapped(str(tmp_path / "latest_checkpointed_iteration.txt"))
     assert isinstance(e.value.code, str) and "holds 'abc', not an iteration number" in e.value.code
-    pt._OVERRULED.add(os.path.realpath(tmp_path / "latest_checkpointed_iteration.txt"))
+    pt.install(SimpleNamespace())  # the overruled trackers are the installed tier's state
+    pt.COMPONENT.state.overruled.add(
+        os.path.realpath(tmp_path / "latest_checkpointed_iteration.txt")
+    )
     try:
         assert wrapped(str(tmp_path / "latest_checkpointed_iteration.txt")) == (-1, False)
     finally:
-        pt._OVERRULED.clear()
+        pt.uninstall()
 
 
 def test_upstream_exits_with_code_0_on_a_damaged_tracker(tmp_path):
