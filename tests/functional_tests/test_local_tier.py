@@ -80,7 +80,7 @@ def _load(root, replicated):
     from megatron.training_ext import local_tier as lt
 
     m = _manager(root, replicated)
-    st = lt._STATE
+    st = lt.COMPONENT.state
     st.force_persistent, st.rejected_reason = False, None
     it = m.find_latest()
     if it == -1:
@@ -95,9 +95,9 @@ def _load_at(root, iteration):
     from megatron.training_ext import local_tier as lt
 
     m = _manager(root, True)
-    lt._STATE.force_persistent, lt._STATE.rejected_reason = False, None
+    lt.COMPONENT.state.force_persistent, lt.COMPONENT.state.rejected_reason = False, None
     if m.find_latest() != iteration:
-        return None, lt._STATE.rejected_reason, m
+        return None, lt.COMPONENT.state.rejected_reason, m
     return m.load()[0], None, m
 
 
@@ -121,7 +121,7 @@ def _scenarios(rank, world, root):
         tensor_model_parallel_size=1,
     )
     lt.install(args)
-    st = lt._STATE
+    st = lt.COMPONENT.state
     try:
         # A: no replication, intact: own checksum record + finiteness record, values back.
         a = os.path.join(root, "a")
@@ -563,14 +563,14 @@ def test_each_start_in_one_process_decides_the_local_tier_afresh():
     try:
         local_tier.install(args)
         wrapped = training.train_step
-        st = local_tier._STATE
+        st = local_tier.COMPONENT.state
         st.force_persistent, st.rejected_reason = True, "NaN at iteration 9 after the local resume"
         st.local_load_iteration, st.manager, st.marker_written = 8, object(), True
         st.deferred.append("nan")
         assert local_tier.loaded_local_iteration() == 8
 
         local_tier.install(argparse.Namespace(**{**vars(args), "local_tier_nan_window": 7}))
-        fresh = local_tier._STATE
+        fresh = local_tier.COMPONENT.state
         assert local_tier.loaded_local_iteration() is None
         assert (
             fresh.force_persistent,

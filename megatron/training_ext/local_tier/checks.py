@@ -11,14 +11,15 @@ from typing import Any, List, Optional
 import torch
 
 from megatron.integrity import checksums as ck
+from megatron.integrity.tensor_ops import fused_scan
 from megatron.integrity.tensors import is_quantized
-from megatron.training_ext.local_tier import common
 from megatron.training_ext.local_tier.common import (
     FINITE_ATTR,
     FINITE_CHUNK,
     FINITE_FORMAT,
     logger,
 )
+from megatron.training_ext.local_tier.component import COMPONENT
 
 
 def state_tensor_keys(state_dict: Any, count: int) -> List[tuple]:
@@ -87,41 +88,26 @@ def strategy_verifies(strategy: Any) -> bool:
 
 def verify_state_dict(state_dict: Any, what: str, check_checksums: bool) -> tuple[List[str], str]:
     """Checksums (optional) and finiteness of one loaded state dict, in one pass over each host
-    tensor's bytes (:func:`megatron.integrity.tensor_ops.fused_scan`); (errors, summary)."""
-    from megatron.integrity.tensor_ops import fused_scan
+    tensor's bytes (:func:`megatron.integrity.tensor_ops.fused_scan`).
 
-    st = common.STATE
-    errors: List[str] = []
+    Args:
+        state_dict: a ``TensorAwareStateDict`` as loaded (host tensors).
+        what: how the errors name it (``"rank 1's primary"``).
+        check_checksums: compare with the stored checksum record (False: the transfer verified
+            them already).
+
+    Returns:
+        (errors, summary): one sentence per problem (empty when it verifies), and what was
+        verified (``"48 checksums, 48 tensors finite"``).
+    """
     tensors = list(state_dict.tensors)
     keys = [k for k, _ in state_tensor_keys(state_dict, len(tensors))]
-    done = []
-    entries = None
     if check_checksums:
-        try:
-            record = ck.get_record(state_dict)
-        except ValueError as e:
-            record = None
-            errors.append(f"{what}: {e}")
-        if record is not None:
-            entries = record["entries"]
-            if len(entries) != len(tensors):
-                errors.append(
-                    f"ChecksumMismatchError: {what}: {len(tensors)} tensors, the record "
-                    f"lists {len(entries)}"
-                )
-                entries = None
-            else:
-                done.append(f"{len(tensors)} checksums")
-        elif not errors and st is not None and not st.warned_unverified:
-            st.warned_unverified = True
-            logger.warning(
-                "%s has no checksum record (written without checksums): checksums not verified",
-                what,
-            )
+        entries, errors, done = _checksum_entries(state_dict, what, len(tensors))
     else:
-        done.append("checksums verified in transit")
-    flags = None
+        entries, errors, done = None, [], ["checksums verified in transit"]
     finite = getattr(state_dict, FINITE_ATTR, None)
+    flags = None
     if isinstance(finite, dict) and finite.get("format") == FINITE_FORMAT:
         flags = finite.get("finite") or []
         if len(flags) != len(tensors):
@@ -130,36 +116,7 @@ def verify_state_dict(state_dict: Any, what: str, check_checksums: bool) -> tupl
                 f"has {len(tensors)}"
             )
             flags = None
-    mismatches, bad, slow_finite = [], [], []
-    for i, t in enumerate(tensors):
-        want_sum, want_fin = entries is not None, flags is not None and flags[i] is True
-        if not (want_sum or want_fin):
-            continue
-        plain = (
-            type(t) in (torch.Tensor, torch.nn.Parameter)
-            and t.device.type == "cpu"
-            and t.is_contiguous()
-        )
-        if plain:
-            # fused_scan hashes with xxh3 only; other algorithms (pmix64) verify_tensor computes
-            xxh3 = want_sum and entries[i].get("algorithm", ck.ALGORITHM) == ck.ALGORITHM
-            csum, _, nonfinite = fused_scan(t.detach(), None, xxh3, want_fin)
-            if want_fin and nonfinite:
-                bad.append(keys[i])
-        else:
-            csum = None
-            if want_fin:
-                slow_finite.append(i)
-        if want_sum:
-            m = ck.verify_tensor(entries[i], t, checksum=csum)
-            if m is not None:
-                mismatches.append(m)
-    if slow_finite:
-        bad += [
-            keys[i]
-            for i, ok in zip(slow_finite, finite_flags([tensors[i] for i in slow_finite]))
-            if ok is False
-        ]
+    mismatches, bad = _scan(tensors, keys, entries, flags)
     errors += [f"ChecksumMismatchError: {what}: {m}" for m in mismatches[:3]]
     if len(mismatches) > 3:
         errors.append(f"{what}: ... {len(mismatches) - 3} more checksum mismatches")
@@ -171,6 +128,73 @@ def verify_state_dict(state_dict: Any, what: str, check_checksums: bool) -> tupl
             )
         done.append(f"{sum(1 for f in flags if f is True)} tensors finite")
     return errors, ", ".join(done) or "nothing to verify"
+
+
+def _checksum_entries(
+    state_dict: Any, what: str, count: int
+) -> tuple[Optional[list], List[str], List[str]]:
+    """(the checksum record's entries, or None when there is none to check against; errors;
+    what will be verified). A state dict without a record is reported once per install."""
+    try:
+        record = ck.get_record(state_dict)
+    except ValueError as e:
+        return None, [f"{what}: {e}"], []
+    if record is None:
+        st = COMPONENT.state
+        if st is not None and not st.warned_unverified:
+            st.warned_unverified = True
+            logger.warning(
+                "%s has no checksum record (written without checksums): checksums not verified",
+                what,
+            )
+        return None, [], []
+    entries = record["entries"]
+    if len(entries) != count:
+        return (
+            None,
+            [f"ChecksumMismatchError: {what}: {count} tensors, the record lists {len(entries)}"],
+            [],
+        )
+    return entries, [], [f"{count} checksums"]
+
+
+def _scan(
+    tensors: List[Any], keys: List[str], entries: Optional[list], flags: Optional[list]
+) -> tuple[List[str], List[str]]:
+    """(checksum mismatches, keys of tensors that hold NaN/Inf although saved finite): one pass
+    over each plain host tensor's bytes; other tensors are checked the slow way."""
+    mismatches: List[str] = []
+    bad: List[str] = []
+    slow_finite = []
+    for i, t in enumerate(tensors):
+        want_sum, want_fin = entries is not None, flags is not None and flags[i] is True
+        if not (want_sum or want_fin):
+            continue
+        plain = (
+            type(t) in (torch.Tensor, torch.nn.Parameter)
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+        )
+        csum = None
+        if plain:
+            # fused_scan hashes with xxh3 only; other algorithms (pmix64) verify_tensor computes
+            xxh3 = want_sum and entries[i].get("algorithm", ck.ALGORITHM) == ck.ALGORITHM
+            csum, _, nonfinite = fused_scan(t.detach(), None, xxh3, want_fin)
+            if want_fin and nonfinite:
+                bad.append(keys[i])
+        elif want_fin:
+            slow_finite.append(i)
+        if want_sum:
+            m = ck.verify_tensor(entries[i], t, checksum=csum)
+            if m is not None:
+                mismatches.append(m)
+    if slow_finite:
+        bad += [
+            keys[i]
+            for i, ok in zip(slow_finite, finite_flags([tensors[i] for i in slow_finite]))
+            if ok is False
+        ]
+    return mismatches, bad
 
 
 def header_fingerprint(state_dict: Any) -> Optional[str]:

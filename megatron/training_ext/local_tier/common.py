@@ -1,8 +1,8 @@
-"""Constants, the decision state and the small collective and logging helpers shared by the
-modules of the validated local tier.
+"""Constants, the decision state of one install and the small helpers shared by the modules of the
+validated local tier.
 
-:data:`STATE` is the one decision state of a process (``None`` until :func:`install`); every module
-reads it as ``common.STATE`` so that a reinstall is seen everywhere.
+:class:`TierState` is created by the component (:mod:`.component`, ``COMPONENT.state``) at each
+install; nothing here holds state.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from megatron.integrity import local_layout
 from megatron.overlay import collective
-from megatron.training_ext.console import write_line
 
 LOCAL_TIER_BAD_EXIT_CODE = 75
 """Exit code of a run that found a NaN/Inf result within the NaN window after resuming from the
@@ -31,8 +30,10 @@ MARKER_NAME = local_layout.MARKER_NAME
 (``<root>/<session>/<rank>``)."""
 
 QUARANTINE_DIR = local_layout.QUARANTINE_DIR
-"""Sub-directory of a rank's local checkpoint directory that receives rejected local checkpoint
-files (removed with the marker by the next local save complete on all ranks)."""
+"""Sub-directory of a rank's local checkpoint directory into which earlier versions of this fork
+moved rejected local files. Nothing is moved there any more (a start sets unusable files aside in
+place, deleted once this run's first local save completes); a directory left by those versions is
+removed with the marker by the next local save complete on all ranks."""
 
 FINITE_ATTR = "_megatron_local_tier_finite"
 """Attribute of a saved ``TensorAwareStateDict``: ``{"format", "version", "owner_rank",
@@ -55,11 +56,27 @@ NONFINITE_WORDS = re.compile(r"\bnan\b|\binf\b|non-?finite", re.IGNORECASE)
 
 @dataclass
 class TierState:
+    """The decision state of one install of the tier (``COMPONENT.state``).
+
+    Attributes:
+        validation: ``--local-tier-validation`` (always True while installed).
+        nan_window: ``--local-tier-nan-window`` (iterations after a local resume).
+        args: the run's arguments at install.
+        settings, topology: :func:`megatron.integrity.local_identity.run_settings` and
+            ``topology`` of ``args`` at install.
+        force_persistent, rejected_reason: the start rejected the local tier, and why.
+        local_load_iteration: the local iteration this process resumed from.
+        manager: the manager that served the local load (the NaN window writes its marker).
+        marker_written: this process wrote the bad-tier marker (the next save keeps it).
+        deferring, deferred: result validations deferred inside an iteration of the NaN window.
+        warned_unverified: a file without a checksum record was reported once.
+    """
+
     validation: bool
     nan_window: int
     args: Any = None
-    settings: Optional[dict] = None  # local_identity.run_settings(args) at install
-    topology: Optional[dict] = None  # local_identity.topology(args) at install
+    settings: Optional[dict] = None
+    topology: Optional[dict] = None
     force_persistent: bool = False
     rejected_reason: Optional[str] = None
     local_load_iteration: Optional[int] = None
@@ -68,19 +85,6 @@ class TierState:
     deferring: bool = False
     deferred: List[str] = field(default_factory=list)
     warned_unverified: bool = False
-
-
-STATE: Optional[TierState] = None
-"""The decision state of the installed tier; ``None`` while it is not installed."""
-
-
-def process_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def say(message: str) -> None:
-    """One log line of this rank (stdout, flushed: it must survive an immediate exit)."""
-    write_line(f"{LOG_PREFIX} rank {process_rank()}: {message}")
 
 
 def gather_objects(obj: Any) -> list:
@@ -103,6 +107,7 @@ def any_rank(flag: bool) -> bool:
 
 
 def shorten(text: str, limit: int = 300) -> str:
+    """``text`` on one line (whitespace runs collapsed), at most ``limit`` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -117,26 +122,11 @@ def exc_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {shorten(lines[0] if lines else '', 260)}"
 
 
-def summarize(gathered: list, limit: int = 3) -> str:
-    """``[[errors of rank 0], [errors of rank 1], ...]`` -> one line: each distinct error once,
-    with the ranks that reported it."""
-    by_text: dict[str, list[int]] = {}
-    for r, errs in enumerate(gathered):
-        for e in errs or []:
-            by_text.setdefault(str(e), []).append(r)
-    items = list(by_text.items())
-    shown = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {shorten(t, 300)}"
-        for t, rs in items[:limit]
-    )
-    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-    return shown + more
-
-
-def megatron_args() -> Any:
-    st = STATE
-    if st is not None and st.args is not None:
-        return st.args
+def megatron_args(state: Optional[TierState]) -> Any:
+    """The run's arguments: those ``state`` was installed with, else megatron's global ones
+    (``None`` outside ``pretrain()``)."""
+    if state is not None and state.args is not None:
+        return state.args
     try:
         from megatron.training.global_vars import get_args
 

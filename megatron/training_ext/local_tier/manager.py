@@ -1,6 +1,7 @@
 """:class:`ValidatedLocalCheckpointManager`: NVRx's ``LocalCheckpointManager`` whose saves carry
-finiteness and identity records and whose loads go through the collective resolution
-(:mod:`.resolve`).
+finiteness and identity records and whose loads are decided at the start as inventory
+(:mod:`.inventory`, every rank alone), one gather, plan (:mod:`.plan`, a pure function) and
+execution (:mod:`.execute`, the collectives the plan needs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import uuid
 from pathlib import Path
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
     CheckpointingException,
@@ -23,26 +23,21 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 
 from megatron.integrity import checksums as ck
 from megatron.integrity import local_identity, local_layout
-from megatron.training_ext.local_tier import common, reshard
-from megatron.training_ext.local_tier.checks import (
-    finite_flags,
-    header_fingerprint,
-    state_tensor_keys,
-    verify_state_dict,
-)
+from megatron.training_ext.console import process_rank, rank_line
+from megatron.training_ext.local_tier.checks import finite_flags, state_tensor_keys
 from megatron.training_ext.local_tier.common import (
     FINITE_ATTR,
     FINITE_FORMAT,
+    LOG_PREFIX,
     exc_text,
     gather_objects,
     logger,
     megatron_args,
-    process_rank,
-    say,
-    shorten,
 )
+from megatron.training_ext.local_tier.component import COMPONENT
+from megatron.training_ext.local_tier.execute import Resolution, execute, world_clique
+from megatron.training_ext.local_tier.inventory import RankDir, remove_dirty, take_inventory
 from megatron.training_ext.local_tier.markers import clear_marker
-from megatron.training_ext.local_tier.resolve import LocalCopy, LocalTierResolution, Resolution
 
 
 def _is_write_failure(e: RuntimeError) -> bool:
@@ -79,7 +74,7 @@ def _write_error_text(directory, ckpt_id, state_dict, e: Exception) -> str:
     return f"rank {process_rank()} could not write {directory} ({what}: {room})"
 
 
-class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManager):
+class ValidatedLocalCheckpointManager(LocalCheckpointManager):
     """NVRx ``LocalCheckpointManager`` (0.7.0) whose checkpoints are only used when they are the
     right run, iteration and topology, are repaired from verified replicas, and whose saves are
     never blocked by an interrupted earlier save.
@@ -93,9 +88,9 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
       leftovers of an interrupted save (``*.dirty.pt``) are removed.
     * ``_save``: attaches checksums when there is no replication (the replication fix does with
       replication) and replaces a stale ``.dirty.pt`` instead of failing on it.
-    * ``find_latest`` (first call of a process, i.e. the load): the collective resolution
-      described in ``docs/local-tier.md``; returns the local iteration to load, or -1 to make
-      upstream load the persistent tier. Later calls (save finalization) are upstream's.
+    * ``find_latest`` (first call of a process, i.e. the load): the start described in
+      ``docs/local-tier.md`` (:meth:`_resolve`); returns the local iteration to load, or -1 to
+      make upstream load the persistent tier. Later calls (save finalization) are upstream's.
     * ``load``: returns the state dict the resolution verified (and repaired), without reading
       the files again.
 
@@ -111,7 +106,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         self._identity: Optional[tuple] = None
         self._saved = False
         self._loads_served = 0
-        self._set_aside: List[tuple] = []  # (iteration, path) this run must not use (resolve)
+        self._set_aside: List[tuple] = []  # (iteration, path) this run must not use (the start)
         self.timings: dict[
             str, float
         ] = {}  # seconds of the start: total, headers, own_primary, agree, repair, identity
@@ -126,8 +121,8 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         settled them, else this rank's own (rank 0 creates the run token in ``--save``)."""
         if self._identity is not None:
             return self._identity
-        args = megatron_args()
-        st = common.STATE
+        st = COMPONENT.state
+        args = megatron_args(st)
         try:
             token = local_identity.run_token(
                 getattr(args, "save", None), create=process_rank() == 0
@@ -160,11 +155,12 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         if not self._saved:
             self._saved = True
             self._resolution = None  # release what the load held
-            removed = self._remove_dirty()
+            removed = remove_dirty(Path(self.local_ckpt_dir))
             if removed:
-                say(
+                rank_line(
+                    LOG_PREFIX,
                     f"removed {len(removed)} leftover(s) of an interrupted save: "
-                    f"{', '.join(removed)}"
+                    f"{', '.join(removed)}",
                 )
         tensors = list(state_dict.tensors)
         setattr(
@@ -207,12 +203,13 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         """Every rank, after a local save that some rank could not write (NVRx removed the files of
         ``iteration`` everywhere; the previous local checkpoint is intact): one line, training goes
         on with the persistent tier as the fallback until a local save succeeds."""
-        say(
+        rank_line(
+            LOG_PREFIX,
             f"local save of iteration {iteration} skipped on every rank: "
             + "; ".join(errors[:4])
             + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")
             + f"; training continues (until a local save succeeds, a restart resumes from the "
-            f"newest complete local or persistent checkpoint) [{exc_text(e)}]"
+            f"newest complete local or persistent checkpoint) [{exc_text(e)}]",
         )
 
     def _save(self, state_dict, ckpt_id):
@@ -261,17 +258,6 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         clear_marker(self, iteration)
         return result
 
-    def _remove_dirty(self) -> List[str]:
-        d = Path(self.local_ckpt_dir)
-        removed = []
-        if d.is_dir():
-            for p in sorted(d.iterdir()):
-                parsed = local_layout.parse_local_name(p.name)
-                if parsed is not None and parsed[2] and p.is_file():
-                    p.unlink(missing_ok=True)
-                    removed.append(p.name)
-        return removed
-
     def _withdraw_failed_save(self) -> None:
         """Collective, in the finalization of a local save (NVRx's ``find_latest``): when any rank
         could not write a file of the iteration being saved (:attr:`_write_error`, or its own shard
@@ -308,7 +294,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             self._withdraw_failed_save()
         if (
             self._saved
-            or common.STATE is None
+            or COMPONENT.state is None
             or not (dist.is_available() and dist.is_initialized())
         ):
             return super().find_latest()
@@ -318,10 +304,6 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
         return self._resolution.iteration
 
     def load(self):
-        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
-            CheckpointingException,
-        )
-
         res = self._resolution
         if res is None or res.iteration == -1 or res.state_dict is None:
             if self.latest_iteration == -1:
@@ -329,7 +311,7 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
                     "The 'find_latest' method must be called before invoking the 'load' function."
                 )
             return super().load()
-        st = common.STATE
+        st = COMPONENT.state
         st.manager = self
         st.local_load_iteration = res.iteration
         self._loads_served += 1
@@ -338,101 +320,62 @@ class ValidatedLocalCheckpointManager(LocalTierResolution, LocalCheckpointManage
             res.state_dict = None
         return sd, cid
 
-    def _inspect(
-        self, run_id: str, settings: dict, topo: dict
-    ) -> tuple[List[LocalCopy], dict, List[str]]:
-        """This rank's local files: the header of every copy (memory-mapped, no tensor data read),
-        and the own primary of the newest iteration fully loaded and verified (checksums,
-        finiteness). Returns (copies, {ckpt_id: (state dict, summary)}, leftovers removed)."""
-        me = process_rank()
-        leftovers = self._remove_dirty()
-        files = []
-        d = Path(self.local_ckpt_dir)
-        if d.is_dir():
-            for p in d.iterdir():
-                parsed = local_layout.parse_local_name(p.name)
-                if parsed is not None and not parsed[2] and p.is_file():
-                    files.append((parsed[0], parsed[1], p))
-        own_iters = [it for it, owner, _ in files if owner == me]
-        speculative = max(own_iters) if own_iters else None
-        copies, loaded = [], {}
-        for it, owner, path in sorted(files, key=lambda x: (-x[0], x[1])):
-            c = self._inspect_file(it, owner, path, me, run_id, settings, topo)
-            copies.append(c)
-            if c.problem is None and c.foreign is None and owner == me and it == speculative:
-                self._verify_own(c, loaded)
-        # files in the other rank directories of this host: after a restart at another DP size
-        # rank numbers move between nodes (used only to reshard, see reshard.py)
-        rescan = all(c.saved_topology is not None for c in copies)  # no file of this topology
-        for sub in _sibling_dirs(d) if rescan else ():
-            for p in sub.iterdir():
-                parsed = local_layout.parse_local_name(p.name)
-                if parsed is None or parsed[2] or not p.is_file():
-                    continue
-                c = self._inspect_file(parsed[0], parsed[1], p, me, run_id, settings, topo)
-                if c.saved_topology is not None:
-                    c.sibling = True
-                    copies.append(c)
-        return copies, loaded, leftovers
-
-    def _inspect_file(self, it, owner, path, me, run_id, settings, topo) -> LocalCopy:
-        """One local file's header judged against this run (no tensor data read)."""
-        dir_rank = int(path.parent.name) if path.parent.name.isdigit() else None
-        c = LocalCopy(it, owner, me, None, path=str(path), dir_rank=dir_rank)
-        try:
-            try:
-                header = local_identity.read_header(path)
-            except Exception:  # noqa: BLE001 - let torch tell what is wrong with the file
-                header = torch.load(path, mmap=True, weights_only=False)
-            rec = local_identity.get_identity(header)
-        except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
-            c.problem = f"unreadable: {exc_text(e)}"
-            return c
-        problems = local_identity.identity_problems(rec, run_id, settings, topo, it, owner)
-        if rec is not None:
-            c.run_id, c.token = rec.get("run_id"), rec.get("save_token")
-            if c.run_id != run_id:  # decided collectively against the agreed run id
-                c.foreign, problems = problems[0], problems[1:]
-            saved = rec.get("topology")
-            if problems and reshard.dp_only_change(saved, topo) is None:
-                rest = local_identity.identity_problems(rec, run_id, settings, saved, it, owner)
-                if c.foreign is not None:
-                    rest = rest[1:]
-                if not rest:
-                    c.saved_topology = dict(saved)
-        c.problem = "; ".join(problems) or None
-        c.fingerprint = header_fingerprint(header)
-        return c
-
-    def _verify_own(self, c: LocalCopy, loaded: dict) -> None:
-        """Load this rank's primary ``c`` as upstream does and check it against its checksums and
-        finiteness record; sets ``c.problem`` or stores it in ``loaded``."""
-        cid = self._ckpt_id(c.iteration)
+    def _resolve(self) -> Resolution:
+        """Collective: what this load uses. Every rank takes its inventory (no collective), the
+        inventories are gathered once, and every rank carries out the plan decided from them
+        (``docs/local-tier.md``)."""
+        tier = COMPONENT.state
+        tier.manager = self
         t0 = time.perf_counter()
-        try:
-            sd = self._load(cid)  # host tensors as stored: verified before they go to the device
-            errors, summary = verify_state_dict(
-                sd, f"rank {c.holder}'s primary", check_checksums=True
+        rank_dir = RankDir(Path(self.local_ckpt_dir), self.session_id, self.rank, self._load)
+        identity = self._identity_parts()
+        can_repair = self.repl_strategy is not None or world_clique() is not None
+        taken = take_inventory(rank_dir, identity, megatron_args(tier), can_repair)
+        t_gather = time.perf_counter()
+        timings = {
+            "own_primary": taken.own_primary_s,
+            "headers": t_gather - t0 - taken.own_primary_s,
+        }
+        inventories = gather_objects(taken.inventory)
+        timings["agree"] = time.perf_counter() - t_gather
+        self._generation, self._identity = inventories[0].generation, tuple(inventories[0].identity)
+        if identity[0] != self._identity[0]:
+            logger.info(
+                "rank %d derives run id %s, rank 0 %s: using rank 0's",
+                rank_dir.rank,
+                identity[0],
+                self._identity[0],
             )
-            sd.restore_tensor_device(non_blocking=False)
-        except Exception as e:  # noqa: BLE001
-            errors, summary = [f"unreadable: {exc_text(e)}"], ""
-        self.timings["own_primary"] = (
-            self.timings.get("own_primary", 0.0) + time.perf_counter() - t0
+        self.globally_available_ids = [
+            [(c.iteration, c.owner, self.session_id) for c in inv.copies if not c.sibling]
+            for inv in inventories
+        ]
+        outcome = execute(
+            rank_dir,
+            inventories,
+            taken.loaded,
+            tier=tier,
+            repl_strategy=self.repl_strategy,
+            timings=timings,
+            t0=t0,
         )
-        c.bytes_verified = True
-        if errors:
-            c.problem = shorten("; ".join(errors), 400)
-        else:
-            loaded[cid] = (sd, summary)
+        self._set_aside, self.timings = outcome.set_aside, outcome.timings
+        return outcome.resolution
 
-
-def _sibling_dirs(own: Path) -> List[Path]:
-    """The other ``<rank>/`` directories next to this rank's local checkpoint directory."""
-    root = own.parent
-    if not root.is_dir():
-        return []
-    return sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and p.name != own.name),
-        key=lambda p: int(p.name),
-    )
+    def drop_set_aside(self, saved_iteration: int) -> int:
+        """After the local save of ``saved_iteration`` completed on every rank: delete the files
+        the start set aside (not those the save just rewrote under the same name; a shard of a
+        rank beyond this world, written at a larger DP size, is never rewritten). Returns how
+        many."""
+        dropped = 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for it, p in self._set_aside:
+            parsed = local_layout.parse_local_name(p.name)
+            if it != saved_iteration or (parsed is not None and parsed[1] >= world):
+                try:
+                    p.unlink()
+                    dropped += 1
+                except FileNotFoundError:
+                    pass
+        self._set_aside = []
+        return dropped

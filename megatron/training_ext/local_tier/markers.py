@@ -13,16 +13,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron.training_ext.local_tier import common
+from megatron.training_ext.console import process_rank, rank_line
 from megatron.training_ext.local_tier.common import (
     LOCAL_TIER_BAD_EXIT_CODE,
+    LOG_PREFIX,
     MARKER_FORMAT,
     MARKER_NAME,
     QUARANTINE_DIR,
-    process_rank,
-    say,
     shorten,
 )
+from megatron.training_ext.local_tier.component import COMPONENT
 
 
 def _local_dir(manager: Any) -> Path:
@@ -49,7 +49,7 @@ def read_marker(local_dir: os.PathLike | str) -> Optional[dict]:
 
 
 def write_marker(manager: Any, iteration: int, reason: str) -> Path:
-    st = common.STATE
+    st = COMPONENT.state
     local_dir = _local_dir(manager)
     local_dir.mkdir(parents=True, exist_ok=True)
     record = {
@@ -76,7 +76,7 @@ def write_marker(manager: Any, iteration: int, reason: str) -> Path:
 
 
 def clear_marker(manager: Any, iteration: int) -> None:
-    st = common.STATE
+    st = COMPONENT.state
     if st is None or st.marker_written:
         return
     local_dir = _local_dir(manager)
@@ -93,9 +93,10 @@ def clear_marker(manager: Any, iteration: int) -> None:
         shutil.rmtree(rejected, ignore_errors=True)
         removed.append(f"the rejected local checkpoints in {rejected}")
     if removed:
-        say(
+        rank_line(
+            LOG_PREFIX,
             f"local checkpoint at iteration {iteration} is complete on all ranks: removed "
-            f"{' and '.join(removed)}"
+            f"{' and '.join(removed)}",
         )
 
 

@@ -13,18 +13,19 @@ from typing import Any
 
 import torch
 
+from megatron.overlay.collective import summarize
 from megatron.overlay.registry import wraps_upstream
-from megatron.training_ext.local_tier import common
+from megatron.training_ext.console import rank_line
 from megatron.training_ext.local_tier.common import (
     LOCAL_TIER_BAD_EXIT_CODE,
+    LOG_PREFIX,
     NONFINITE_WORDS,
     RERUN_EXIT_CODES,
     any_rank,
     gather_objects,
-    say,
     shorten,
-    summarize,
 )
+from megatron.training_ext.local_tier.component import COMPONENT
 from megatron.training_ext.local_tier.markers import write_marker
 
 
@@ -46,12 +47,13 @@ def _is_finite_value(v: Any) -> bool:
 def _exit_now(iteration: int, reason: str) -> None:
     """Rank-local failure inside the window: marker on this rank, then ``os._exit(75)`` (the
     other ranks may be blocked in a collective; the launcher stops them)."""
-    st = common.STATE
+    st = COMPONENT.state
     path = write_marker(st.manager, iteration, reason)
-    say(
+    rank_line(
+        LOG_PREFIX,
         f"non-finite result at iteration {iteration} after resuming from the local checkpoint at "
         f"iteration {st.local_load_iteration} ({shorten(reason, 300)}); wrote {path}; exiting "
-        f"with code {LOCAL_TIER_BAD_EXIT_CODE}"
+        f"with code {LOCAL_TIER_BAD_EXIT_CODE}",
     )
     sys.stdout.flush()
     sys.stderr.flush()
@@ -65,7 +67,7 @@ def wrap_train_step(upstream):
     def train_step(*a, **kw):
         """Upstream's ``train_step``; inside the NaN window after a local-tier resume, a
         non-finite loss or grad norm marks the local tier bad and exits."""
-        st = common.STATE
+        st = COMPONENT.state
         iteration = sig.bind(*a, **kw).arguments.get("iteration")
         if (
             st is None
@@ -105,13 +107,14 @@ def wrap_train_step(upstream):
         gathered = gather_objects(reasons)
         reason = f"non-finite training result: {summarize(gathered)}"
         path = write_marker(st.manager, iteration + 1, reason)
-        say(
+        rank_line(
+            LOG_PREFIX,
             f"non-finite result at iteration {iteration + 1}, "
             f"{iteration + 1 - st.local_load_iteration} "
             f"iteration(s) after resuming from the local checkpoint at iteration "
             f"{st.local_load_iteration}: marked the local tier bad ({path}) and exiting with code "
             f"{LOCAL_TIER_BAD_EXIT_CODE} without saving; the next start loads the persistent "
-            f"checkpoint"
+            f"checkpoint",
         )
         out = list(out)
         out[0], out[2], out[3], out[4] = {}, False, True, LOCAL_TIER_BAD_EXIT_CODE
@@ -126,7 +129,7 @@ def wrap_validate_result(upstream):
         self, result, rejection_func, message, comparison_func=None, tolerance=0.0, fatal=True
     ):
         """Upstream's ``validate_result``; deferred while the NaN window decides."""
-        st = common.STATE
+        st = COMPONENT.state
         if st is not None and st.deferring and fatal:
             from megatron.core.rerun_state_machine import RerunMode
 

@@ -27,15 +27,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.integrity import persistent_dirs
-from megatron.overlay.collective import RankFailures
-from megatron.training_ext.local_tier.common import (
-    exc_text,
-    gather_objects,
-    logger,
-    process_rank,
-    shorten,
-    summarize,
-)
+from megatron.overlay.collective import RankFailures, summarize
+from megatron.training_ext.console import process_rank
+from megatron.training_ext.local_tier.common import exc_text, gather_objects, logger, shorten
+from megatron.training_ext.resume_proof import digest_of_save
 
 __all__ = ["DP_SETTINGS", "ReshardError", "assemble", "dp_only_change", "plan_loaders"]
 
@@ -215,14 +210,35 @@ def assemble(
         ReshardError: on every rank together: a copy failed to load or verify (naming it), the
             target holds a complete checkpoint, or the write failed.
     """
-    from megatron.core import dist_checkpointing
-
     t0 = time.perf_counter()
-    me = process_rank()
-    mine = sorted(o for o, r in loaders.items() if r == me)
+    mine = sorted(o for o, r in loaders.items() if r == process_rank())
+    loaded, winners, read = _load_shards(mine, paths, load_and_verify, target, t0)
+    src = loaders.get(0, 0)  # rank 0's common state: args, iteration, scheduler, digest
+    box = [loaded[0].common if process_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    common = box[0]
+    state: Dict[str, Any] = dict(common)
+    state[_SHARDS_KEY] = {f"rank{old}": _select(sd, old, winners) for old, sd in loaded.items()}
+    staged = _write_staged(state, common, target)
+    aside = _publish(staged, target, iteration)
+    return [paths[o] for o in mine], read, time.perf_counter() - t0, aside
+
+
+def _load_shards(
+    mine: List[int], paths: Dict[int, str], load_and_verify, target: str, t0: float
+) -> Tuple[Dict[int, Any], Dict[Any, int], float]:
+    """Collective: load and verify the old ranks' shards ``mine`` (this rank's part of the plan)
+    and agree which old rank's copy of every tensor shard is written. Returns (old rank -> state
+    dict, shard id -> old rank that writes it, seconds reading and verifying on the slowest
+    rank).
+
+    Raises:
+        ReshardError: on every rank, naming each copy that failed (``bad``), or the target
+            already holding a complete checkpoint.
+    """
     loaded: Dict[int, Any] = {}
     errors: List[tuple] = []  # (old rank or None, text)
-    if me == 0 and persistent_dirs.is_complete(target):
+    if process_rank() == 0 and persistent_dirs.is_complete(target):
         errors.append((None, f"{target} already holds a complete checkpoint"))
     for old in mine:
         try:
@@ -230,27 +246,29 @@ def assemble(
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             errors.append((old, f"rank {old}'s shard {paths[old]}: {exc_text(e)}"))
     inventory = [] if errors else _inventory(loaded)
-    read = time.perf_counter() - t0
-    gathered = gather_objects((errors, inventory, read))
+    gathered = gather_objects((errors, inventory, time.perf_counter() - t0))
     if any(e for e, _, _ in gathered):
         texts = [[t for _, t in e] for e, _, _ in gathered]
         bad = [(old, r) for r, (e, _, _) in enumerate(gathered) for old, _ in e]
         raise ReshardError(summarize(texts), bad=[] if any(o is None for o, _ in bad) else bad)
     winners = _winners([inv for _, inv, _ in gathered])
-    read = max(r for _, _, r in gathered)
-    src = loaders.get(0, 0)  # rank 0's common state: args, iteration, scheduler, digest
-    box = [loaded[0].common if me == src else None]
-    dist.broadcast_object_list(box, src=src)
-    common = box[0]
-    state: Dict[str, Any] = dict(common)
-    state[_SHARDS_KEY] = {f"rank{old}": _select(sd, old, winners) for old, sd in loaded.items()}
+    return loaded, winners, max(r for _, _, r in gathered)
+
+
+def _write_staged(state: Dict[str, Any], common: Dict[str, Any], target: str) -> str:
+    """Collective: ``dist_checkpointing.save`` of ``state`` into the staging directory of
+    ``target`` (a start killed during the write leaves no half-written ``iter_<N>``: the next
+    start writes it again), under the local save's state digest. Returns the staging directory.
+
+    Raises:
+        ReshardError: on every rank, when the staging directory cannot be created or the write
+            failed.
+    """
+    from megatron.core import dist_checkpointing
+
     record = common.get("state_digest")
     if isinstance(record, (str, bytes)):
         record = json.loads(record)
-    from megatron.training_ext import resume_proof
-
-    # written in a staging directory of --save and renamed into place once complete: a start
-    # killed during the write leaves no half-written iter_<N> (the next start writes it again)
     root = os.path.dirname(target.rstrip("/"))
     staged = os.path.join(root, STAGING, os.path.basename(target.rstrip("/")))
 
@@ -260,7 +278,7 @@ def assemble(
 
     _on_rank0(stage, f"creating {staged}")
     try:
-        with resume_proof.digest_of_save(record):
+        with digest_of_save(record):
             dist_checkpointing.save(
                 state,
                 staged,
@@ -273,9 +291,16 @@ def assemble(
         logger.exception("local tier: writing %s failed", staged)
     errs = gather_objects([error] if error else [])
     if any(errs):
-        if me == 0:
+        if process_rank() == 0:
             shutil.rmtree(staged, ignore_errors=True)
         raise ReshardError(f"writing {target} failed: {summarize(errs)}")
+    return staged
+
+
+def _publish(staged: str, target: str, iteration: int) -> List[str]:
+    """Collective: rank 0 renames ``staged`` to ``target`` (an existing incomplete ``target``,
+    an interrupted save of this iteration, is kept, renamed) and points the tracker at it.
+    Returns the directories set aside (every rank)."""
     aside: List[str] = []
 
     def publish():
@@ -288,12 +313,12 @@ def assemble(
             os.rmdir(os.path.dirname(staged))
         except OSError:
             pass
-        persistent_dirs.write_tracker(root, iteration)
+        persistent_dirs.write_tracker(os.path.dirname(target.rstrip("/")), iteration)
 
     _on_rank0(publish, f"renaming {staged} to {target}")
     box = [aside]
     dist.broadcast_object_list(box, src=0)
-    return [paths[o] for o in mine], read, time.perf_counter() - t0, box[0]
+    return box[0]
 
 
 def _on_rank0(fn, what: str) -> bool:

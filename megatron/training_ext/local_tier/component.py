@@ -1,0 +1,133 @@
+"""The validated local tier as a :class:`~megatron.overlay.component.Component`: when the
+arguments switch it on, what it replaces upstream, what it checks before it does, and the state
+of one install (``COMPONENT.state``).
+
+The modules of the tier read the state from :data:`COMPONENT` (this module imports none of them
+at its top, so each can import it at its own); the patch factories below import the replacements
+when the patches are installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers import local_manager
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+    LocalCheckpointManager,
+)
+
+from megatron.integrity import local_identity
+from megatron.overlay import Patch
+from megatron.overlay.component import Component
+from megatron.training_ext.local_tier.common import (
+    DEFAULT_NAN_WINDOW,
+    RERUN_EXIT_CODES,
+    TierState,
+    logger,
+)
+
+__all__ = ["COMPONENT", "LocalTier", "validated_manager", "wrap_train_step", "wrap_validate_result"]
+
+
+def validated_manager(_original: Any) -> type:
+    """Patch factory: :class:`~megatron.training_ext.local_tier.manager.
+    ValidatedLocalCheckpointManager`, the class ``pretrain()`` builds."""
+    from megatron.training_ext.local_tier.manager import ValidatedLocalCheckpointManager
+
+    return ValidatedLocalCheckpointManager
+
+
+def wrap_train_step(upstream: Any) -> Any:
+    """Patch factory: :func:`megatron.training_ext.local_tier.nan_window.wrap_train_step`."""
+    from megatron.training_ext.local_tier import nan_window
+
+    return nan_window.wrap_train_step(upstream)
+
+
+def wrap_validate_result(upstream: Any) -> Any:
+    """Patch factory: :func:`megatron.training_ext.local_tier.nan_window.wrap_validate_result`."""
+    from megatron.training_ext.local_tier import nan_window
+
+    return nan_window.wrap_validate_result(upstream)
+
+
+class LocalTier(Component[TierState]):
+    """``--non-persistent-ckpt-type local`` with local-tier validation (the default): local
+    checkpoints are used only when they are the right run, iteration and topology
+    (``docs/local-tier.md``)."""
+
+    name = "local_tier"
+    title = (
+        "validated local checkpoints: right run, iteration and topology, repaired from verified "
+        "replicas, resharded at another DP size, NaN window"
+    )
+    patches = (
+        Patch(
+            "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager."
+            "LocalCheckpointManager",
+            validated_manager,
+            "pretrain() builds this class: local files are verified (checksums, identity, "
+            "finiteness) and a bad local tier falls back to the persistent checkpoint",
+        ),
+        Patch(
+            "megatron.training.training.train_step",
+            wrap_train_step,
+            "the NaN window after a local-tier resume watches each iteration's loss and grad norm",
+            params=("iteration",),
+        ),
+        Patch(
+            "megatron.core.rerun_state_machine.RerunStateMachine.validate_result",
+            wrap_validate_result,
+            "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
+        ),
+    )
+
+    def enabled(self, args: Any) -> bool:
+        """Local checkpoints (``--non-persistent-ckpt-type local``) and validation on (the
+        default; ``--no-local-tier-validation`` restores upstream's local tier)."""
+        return getattr(args, "non_persistent_ckpt_type", None) == "local" and bool(
+            getattr(args, "local_tier_validation", True)
+        )
+
+    def new_state(self, args: Any) -> TierState:
+        window = getattr(args, "local_tier_nan_window", None)
+        return TierState(
+            validation=True,
+            nan_window=DEFAULT_NAN_WINDOW if window is None else int(window),
+            args=args,
+            settings=local_identity.run_settings(args),
+            topology=local_identity.topology(args),
+        )
+
+    def check_patch_points(self) -> list[str]:
+        """The declared points, and: NVRx's ``LocalCheckpointManager`` is still NVRx's own (not
+        replaced by another patch), and upstream's rerun exit codes are those the NaN window
+        recognises."""
+        import megatron.core.rerun_state_machine as rsm
+
+        problems = super().check_patch_points()
+        if local_manager.LocalCheckpointManager is not LocalCheckpointManager:
+            problems.append(
+                "nvidia_resiliency_ext LocalCheckpointManager was already replaced by "
+                f"{local_manager.LocalCheckpointManager!r}"
+            )
+        codes = (
+            getattr(rsm, "EXIT_CODE_RESUME_TO_DISAMBIGUATE", None),
+            getattr(rsm, "EXIT_CODE_FAILED_ON_RESULT_VALIDATION", None),
+        )
+        if codes != RERUN_EXIT_CODES:
+            problems.append(
+                f"megatron.core.rerun_state_machine exit codes are {codes}, expected "
+                f"{RERUN_EXIT_CODES}"
+            )
+        return problems
+
+    def started(self, state: TierState) -> None:
+        logger.info(
+            "local_tier: validated local checkpoint tier installed (NaN window %d)",
+            state.nan_window,
+        )
+
+
+#: The component (entry point ``local_tier``).
+COMPONENT = LocalTier()
