@@ -120,6 +120,12 @@ def bucket_padded_gather(optimizer: Any) -> Iterator[None]:
 # --- the probe ----------------------------------------------------------------------------------
 
 
+#: The stand-in's world tensors: the first value of each (then +1 per element).
+_STAND_IN_FIRST = {"param": 1.0, "exp_avg": 101.0, "exp_avg_sq": 1001.0}
+#: Where each stand-in parameter's values start in the (compact) world tensors.
+_STAND_IN_COMPACT_START = {"p0": 0, "p1": 4, "p2": 8}
+
+
 def bucketed_stand_in() -> SimpleNamespace:
     """A stand-in distributed optimizer with one fp32 grad buffer of 2 buckets (DP 1, no process
     group), for upstream's ``sharded_param_state_fully_reshardable``.
@@ -136,15 +142,36 @@ def bucketed_stand_in() -> SimpleNamespace:
         keyword arguments of every ``get_parameter_state_dp_zero`` call).
     """
     from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.optimizer.distrib_optimizer import Range
 
     params = {
         "p0": torch.nn.Parameter(torch.zeros(4)),
         "p1": torch.nn.Parameter(torch.zeros(4)),
         "p2": torch.nn.Parameter(torch.zeros(2, 2)),
     }
-    compact = {"param": 1.0, "exp_avg": 101.0, "exp_avg_sq": 1001.0}
     calls: list[dict] = []
+    model_sharded_state_dict = {
+        name: ShardedTensor.from_rank_offsets(name, p) for name, p in params.items()
+    }
+    expected = {
+        f"optimizer.state.{key}.{name}": (
+            torch.arange(4, dtype=torch.float32) + first + _STAND_IN_COMPACT_START[name]
+        ).reshape(p.shape)
+        for key, first in _STAND_IN_FIRST.items()
+        for name, p in params.items()
+    }
+    return SimpleNamespace(
+        optimizer=_stand_in_optimizer(params, calls),
+        model_sharded_state_dict=model_sharded_state_dict,
+        params=params,
+        expected=expected,
+        calls=calls,
+    )
+
+
+def _stand_in_gather(calls: list[dict]) -> Callable:
+    """The stand-in's ``get_parameter_state_dp_zero``: records its keyword arguments in
+    ``calls``, returns compact world tensors of 12 fp32 elements (:data:`_STAND_IN_FIRST`
+    onwards; zeros for ``empty_data``) of the one buffer."""
 
     def get_parameter_state_dp_zero(
         use_gloo_comm=True, empty_data=False, return_on_all_ranks=False
@@ -158,10 +185,19 @@ def bucketed_stand_in() -> SimpleNamespace:
         )
         world: dict[str, Any] = {
             key: torch.zeros(12) if empty_data else torch.arange(12, dtype=torch.float32) + first
-            for key, first in compact.items()
+            for key, first in _STAND_IN_FIRST.items()
         }
         world["numel_unpadded"] = 12
         return {"buckets_coalesced": True, 0: {torch.float32: world}}
+
+    return get_parameter_state_dp_zero
+
+
+def _stand_in_optimizer(params: dict, calls: list[dict]) -> SimpleNamespace:
+    """The stand-in distributed optimizer over ``params`` (``p0``..``p2``): one fp32 grad buffer
+    of 2 buckets with end padding (see :func:`bucketed_stand_in`), each parameter's whole range
+    on this rank, the gather of :func:`_stand_in_gather`, no inner optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import Range
 
     buffer = SimpleNamespace(
         param_index_map={
@@ -175,7 +211,7 @@ def bucketed_stand_in() -> SimpleNamespace:
         ],
         numel_unpadded=12,
     )
-    optimizer = SimpleNamespace(
+    return SimpleNamespace(
         gbuf_ranges=[
             {
                 torch.float32: [
@@ -190,26 +226,8 @@ def bucketed_stand_in() -> SimpleNamespace:
             }
         ],
         buffers=[buffer],
-        get_parameter_state_dp_zero=get_parameter_state_dp_zero,
+        get_parameter_state_dp_zero=_stand_in_gather(calls),
         optimizer=None,
-    )
-    model_sharded_state_dict = {
-        name: ShardedTensor.from_rank_offsets(name, p) for name, p in params.items()
-    }
-    compact_start = {"p0": 0, "p1": 4, "p2": 8}  # where each one's values are in the world tensors
-    expected = {
-        f"optimizer.state.{key}.{name}": (
-            torch.arange(4, dtype=torch.float32) + first + compact_start[name]
-        ).reshape(p.shape)
-        for key, first in compact.items()
-        for name, p in params.items()
-    }
-    return SimpleNamespace(
-        optimizer=optimizer,
-        model_sharded_state_dict=model_sharded_state_dict,
-        params=params,
-        expected=expected,
-        calls=calls,
     )
 
 

@@ -374,71 +374,20 @@ def probe_upstream_saves_modelopt_state(
         if it does not (megatron-core 0.19.2: persistent saves with its flag False, and every
         local save), None if the save does not reach a writer or fails on the stand-ins.
     """
-    stored: list[str] = []
-
-    def save_modelopt_state(model: list, state_dict: dict) -> None:
-        stored.append("save_modelopt_state")
-        state_dict["modelopt_state"] = {"modelopt_state_dict": [], "modelopt_version": "probe"}
-
-    def save_sharded_modelopt_state(model: list, checkpoint_name: Any, *args, **kwargs) -> None:
-        stored.append("save_sharded_modelopt_state")
-
+    hooks = _ProbeModeloptHooks()
     try:
         with tempfile.TemporaryDirectory(prefix="modelopt_state_probe_") as d:
-            args = _ProbeArgs(
-                save=d,
-                use_dist_ckpt=local,
-                ckpt_format="torch_dist" if local else "torch",
-                non_persistent_ckpt_type="local",
-                non_persistent_local_ckpt_algo="atomic",
-                ckpt_assume_constant_structure=True,
-                async_save=False,
-                use_distributed_optimizer=False,
-                no_save_optim=True,
-                no_save_rng=True,
+            save = _probe_save(
+                save_checkpoint,
+                _probe_args(d, local),
+                {
+                    "generate_state_dict": generate_state_dict,
+                    "has_nvidia_modelopt": has_nvidia_modelopt,
+                    "save_modelopt_state": hooks.save_modelopt_state,
+                    "save_sharded_modelopt_state": hooks.save_sharded_modelopt_state,
+                },
             )
-            context = {
-                "local_checkpoint_manager": _ProbeLocalManager(d),
-                "local_checkpoint_cache": (None, None, None, None),
-            }
-            namespace = {
-                **save_checkpoint.__globals__,
-                "get_args": lambda: args,
-                "get_rng_state": lambda *a, **k: None,
-                "get_rerun_state_machine": lambda: _Inert(),
-                "on_save_checkpoint_start": lambda *a, **k: None,
-                "ft_integration": _Inert(),
-                "print_rank_0": lambda *a, **k: None,
-                "torch": _ProbeTorch(),
-                "_build_sharded_state_dict_metadata": lambda *a, **k: {},
-                "generate_state_dict": generate_state_dict,
-                "has_nvidia_modelopt": has_nvidia_modelopt,
-                "save_modelopt_state": save_modelopt_state,
-                "save_sharded_modelopt_state": save_sharded_modelopt_state,
-            }
-            save = types.FunctionType(
-                save_checkpoint.__code__,
-                namespace,
-                save_checkpoint.__name__,
-                save_checkpoint.__defaults__,
-                save_checkpoint.__closure__,
-            )
-            save.__kwdefaults__ = save_checkpoint.__kwdefaults__
-            kwargs = {
-                "checkpointing_context": context,
-                "non_persistent_ckpt": local,
-                "pipeline_rank": 0,
-                "tensor_rank": 0,
-                "expert_rank": 0,
-                "pipeline_parallel": False,
-                "expert_parallel": False,
-                "tp_group": object(),  # never used as a group: distributed is not initialised
-                "pp_group": object(),
-                "dp_cp_group": object(),
-            }
-            accepted = inspect.signature(save_checkpoint).parameters
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-            save(1, [_ProbeModel()], None, None, 0, **kwargs)
+            save(1, [_ProbeModel()], None, None, 0, **_probe_kwargs(save_checkpoint, d, local))
     except _ProbeWritten as w:
         written = w.written
         common = (
@@ -447,12 +396,100 @@ def probe_upstream_saves_modelopt_state(
         if not isinstance(common, dict):
             logger.info("modelopt_state probe: the writer got a %s", type(written).__name__)
             return None
-        return "modelopt_state" in common or "save_sharded_modelopt_state" in stored
+        return "modelopt_state" in common or "save_sharded_modelopt_state" in hooks.stored
     except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
         logger.info("modelopt_state probe (local=%s) could not run: %r", local, e)
         return None
     logger.info("modelopt_state probe (local=%s): the save reached no writer", local)
     return None
+
+
+class _ProbeModeloptHooks:
+    """ModelOpt's save hooks as the probe's save sees them: each records in :attr:`stored` that
+    it ran, and ``save_modelopt_state`` stores ``modelopt_state`` as ModelOpt does for a
+    converted model."""
+
+    def __init__(self) -> None:
+        self.stored: list[str] = []
+
+    def save_modelopt_state(self, model: list, state_dict: dict) -> None:
+        self.stored.append("save_modelopt_state")
+        state_dict["modelopt_state"] = {"modelopt_state_dict": [], "modelopt_version": "probe"}
+
+    def save_sharded_modelopt_state(
+        self, model: list, checkpoint_name: Any, *args, **kwargs
+    ) -> None:
+        self.stored.append("save_sharded_modelopt_state")
+
+
+def _probe_args(save_dir: str, local: bool) -> _ProbeArgs:
+    """The arguments of the probe's save into ``save_dir``: ``torch`` format for a persistent
+    save; for a ``local`` one, ``local`` non-persistent checkpoints with the ``atomic`` algorithm
+    and a cached structure. No optimizer, no RNG state, synchronous."""
+    return _ProbeArgs(
+        save=save_dir,
+        use_dist_ckpt=local,
+        ckpt_format="torch_dist" if local else "torch",
+        non_persistent_ckpt_type="local",
+        non_persistent_local_ckpt_algo="atomic",
+        ckpt_assume_constant_structure=True,
+        async_save=False,
+        use_distributed_optimizer=False,
+        no_save_optim=True,
+        no_save_rng=True,
+    )
+
+
+def _probe_save(save_checkpoint: Callable, args: _ProbeArgs, given: dict[str, Any]) -> Callable:
+    """``save_checkpoint``'s own code over a copy of its module's namespace in which the names it
+    reads are the probe's stand-ins (``args``; no RNG, rerun, one-logger or fault-tolerance state;
+    :class:`_ProbeTorch`) and then ``given`` (the state dict builder, the ModelOpt flag and
+    hooks). No module attribute is changed."""
+    namespace = {
+        **save_checkpoint.__globals__,
+        "get_args": lambda: args,
+        "get_rng_state": lambda *a, **k: None,
+        "get_rerun_state_machine": lambda: _Inert(),
+        "on_save_checkpoint_start": lambda *a, **k: None,
+        "ft_integration": _Inert(),
+        "print_rank_0": lambda *a, **k: None,
+        "torch": _ProbeTorch(),
+        "_build_sharded_state_dict_metadata": lambda *a, **k: {},
+        **given,
+    }
+    save = types.FunctionType(
+        save_checkpoint.__code__,
+        namespace,
+        save_checkpoint.__name__,
+        save_checkpoint.__defaults__,
+        save_checkpoint.__closure__,
+    )
+    save.__kwdefaults__ = save_checkpoint.__kwdefaults__
+    return save
+
+
+def _probe_kwargs(save_checkpoint: Callable, save_dir: str, local: bool) -> dict[str, Any]:
+    """The keyword arguments of the probe's save (those ``save_checkpoint`` accepts): a
+    checkpointing context whose local manager hands the state dict back, rank 0 of every
+    parallel group, no parallelism, placeholder groups (never used as groups: distributed is not
+    initialised)."""
+    kwargs = {
+        "checkpointing_context": {
+            "local_checkpoint_manager": _ProbeLocalManager(save_dir),
+            "local_checkpoint_cache": (None, None, None, None),
+        },
+        "non_persistent_ckpt": local,
+        "pipeline_rank": 0,
+        "tensor_rank": 0,
+        "expert_rank": 0,
+        "pipeline_parallel": False,
+        "expert_parallel": False,
+        "tp_group": object(),  # never used as a group: distributed is not initialised
+        "pp_group": object(),
+        "dp_cp_group": object(),
+    }
+    accepted = inspect.signature(save_checkpoint).parameters
+    return {k: v for k, v in kwargs.items() if k in accepted}
 
 
 def _upstream_modelopt_flag(ckpt: Any) -> bool:

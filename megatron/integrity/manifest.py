@@ -520,6 +520,42 @@ def verify_checkpoint_dir(
     t0 = time.perf_counter()
     d = Path(checkpoint_dir)
     rank, world = _rank_world(group)
+    man, damaged = _agreed_manifest(d, require_manifest, damaged_as_absent, group)
+    summary = VerifySummary(
+        algorithm=None if man is None else man.get("algorithm", UPSTREAM_ALGORITHM)
+    )
+    hashed = 0
+    if man is not None:
+        problems, hashed = _manifest_problems(d, man, summary, hash_bytes, rank, world)
+    else:
+        problems = _no_manifest_problems(d, summary, require_manifest, damaged, rank, world)
+    found = _gather((problems, hashed), group)
+    merged = sorted({p for ps, _ in found for p in ps}, key=lambda p: (p.file, p.start or 0))
+    summary.bytes = sum(h for _, h in found)
+    summary.seconds = time.perf_counter() - t0
+    if merged:
+        raise CheckpointIntegrityError(
+            d,
+            _annotate(d, merged),
+            f"integrity.json, {summary.algorithm}" if man is not None else "",
+        )
+    return summary
+
+
+def _agreed_manifest(
+    d: Path, require_manifest: bool, damaged_as_absent: bool, group
+) -> Tuple[Optional[dict], Optional[str]]:
+    """Read ``integrity.json`` and agree across ``group`` (one ``all_gather_object``; a second one
+    when the ranks disagree) that every rank read it alike.
+
+    Returns:
+        ``(manifest or None, why it was unreadable or None)``: with ``damaged_as_absent`` (and not
+        ``require_manifest``) an unreadable manifest is ``None`` and the second value says why.
+
+    Raises:
+        CheckpointIntegrityError: on every rank, when a rank cannot read the manifest or the ranks
+            disagree on whether there is one.
+    """
     damaged = None
     try:
         man = read_manifest(d)
@@ -539,67 +575,83 @@ def verify_checkpoint_dir(
         raise CheckpointIntegrityError(
             d, merged or [FileProblem(INTEGRITY_FNAME, f"differs between ranks {bad}")]
         )
-    summary = VerifySummary(
-        algorithm=None if man is None else man.get("algorithm", UPSTREAM_ALGORITHM)
-    )
+    return man, damaged
+
+
+def _manifest_problems(
+    d: Path, man: dict, summary: VerifySummary, hash_bytes: bool, rank: int, world: int
+) -> Tuple[List[FileProblem], int]:
+    """This rank's problems of a directory with a manifest ``man``: rank 0 names files the
+    manifest of this fork leaves out; each rank checks its share of the listed files (their bytes
+    when ``hash_bytes``, else their sizes). Sets ``summary.files``.
+
+    Returns:
+        ``(problems, bytes hashed by this rank)``.
+    """
+    sizes = {n: int(man.get("sizes", {}).get(n, 1)) for n in man["files"]}
+    summary.files = len(sizes)
+    share = _assign(sizes, world)[rank]
     problems: List[FileProblem] = []
-    hashed = 0
-    if man is not None:
-        sizes = {n: int(man.get("sizes", {}).get(n, 1)) for n in man["files"]}
-        summary.files = len(sizes)
-        share = _assign(sizes, world)[rank]
-        uncovered = []
-        if rank == 0 and summary.algorithm == ALGORITHM:
-            uncovered = [
-                FileProblem(
-                    n,
-                    f"not covered by {INTEGRITY_FNAME} (it lists {len(sizes)} files): a manifest "
-                    f"that leaves out a file of the checkpoint verifies nothing about it",
-                )
-                for n in _manifest_names(d)
-                if n not in sizes
-            ]
-        problems += uncovered
-        if hash_bytes:
-            problems += check_files(d, man, share)
-            hashed = sum(sizes[n] for n in share)
-        else:  # sizes only
-            for n in share:
-                p = d / n
-                if not p.is_file():
-                    problems.append(FileProblem(n, "missing (listed in integrity.json)"))
-                elif "sizes" in man and p.stat().st_size != int(man["sizes"][n]):
-                    s, w = p.stat().st_size, int(man["sizes"][n])
-                    problems.append(
-                        FileProblem(n, f"truncated: {s} of {w} bytes", s, w - 1)
-                        if s < w
-                        else FileProblem(n, f"has {s} bytes, {w} were saved", w, s - 1)
-                    )
-    else:
-        if require_manifest:
-            problems.append(
-                FileProblem(
-                    INTEGRITY_FNAME,
-                    "missing: the checkpoint was saved without "
-                    "checksums, and --verify-integrity requires them",
-                )
+    if rank == 0 and summary.algorithm == ALGORITHM:
+        problems += [
+            FileProblem(
+                n,
+                f"not covered by {INTEGRITY_FNAME} (it lists {len(sizes)} files): a manifest "
+                f"that leaves out a file of the checkpoint verifies nothing about it",
             )
-        if rank == 0 or world == 1:
-            problems += check_storage_ranges(d)
-        summary.notes.append(
-            f"{INTEGRITY_FNAME} unreadable ({damaged}): treated as absent (--no-verify-integrity); "
-            "sizes checked against .metadata, bytes not verified"
-            if damaged
-            else "no integrity.json: sizes checked against .metadata, bytes not verified"
+            for n in _manifest_names(d)
+            if n not in sizes
+        ]
+    if hash_bytes:
+        return problems + check_files(d, man, share), sum(sizes[n] for n in share)
+    return problems + _size_problems(d, man, share), 0
+
+
+def _size_problems(d: Path, man: dict, share: Sequence[str]) -> List[FileProblem]:
+    """Files of ``share`` that are missing or not of the size manifest ``man`` records (no data
+    read; a manifest without ``"sizes"``: presence only)."""
+    problems = []
+    for n in share:
+        p = d / n
+        if not p.is_file():
+            problems.append(FileProblem(n, "missing (listed in integrity.json)"))
+        elif "sizes" in man and p.stat().st_size != int(man["sizes"][n]):
+            s, w = p.stat().st_size, int(man["sizes"][n])
+            problems.append(
+                FileProblem(n, f"truncated: {s} of {w} bytes", s, w - 1)
+                if s < w
+                else FileProblem(n, f"has {s} bytes, {w} were saved", w, s - 1)
+            )
+    return problems
+
+
+def _no_manifest_problems(
+    d: Path,
+    summary: VerifySummary,
+    require_manifest: bool,
+    damaged: Optional[str],
+    rank: int,
+    world: int,
+) -> List[FileProblem]:
+    """This rank's problems of a directory without a (readable) manifest: its absence when
+    ``require_manifest``; on rank 0, data files that ``.metadata`` names and that are missing or
+    too short. Adds the note saying what was not verified to ``summary`` (``damaged``: why the
+    manifest was treated as absent)."""
+    problems = []
+    if require_manifest:
+        problems.append(
+            FileProblem(
+                INTEGRITY_FNAME,
+                "missing: the checkpoint was saved without "
+                "checksums, and --verify-integrity requires them",
+            )
         )
-    found = _gather((problems, hashed), group)
-    merged = sorted({p for ps, _ in found for p in ps}, key=lambda p: (p.file, p.start or 0))
-    summary.bytes = sum(h for _, h in found)
-    summary.seconds = time.perf_counter() - t0
-    if merged:
-        raise CheckpointIntegrityError(
-            d,
-            _annotate(d, merged),
-            f"integrity.json, {summary.algorithm}" if man is not None else "",
-        )
-    return summary
+    if rank == 0 or world == 1:
+        problems += check_storage_ranges(d)
+    summary.notes.append(
+        f"{INTEGRITY_FNAME} unreadable ({damaged}): treated as absent (--no-verify-integrity); "
+        "sizes checked against .metadata, bytes not verified"
+        if damaged
+        else "no integrity.json: sizes checked against .metadata, bytes not verified"
+    )
+    return problems

@@ -344,16 +344,7 @@ class PersistentCheckpoint:
             if k not in self.objects:
                 out[k] = KeyError(f"'{k}' is not in the persistent checkpoint")
                 continue
-            items.append(
-                ReadItem(
-                    type=LoadItemType.BYTE_IO,
-                    dest_index=MetadataIndex(k),
-                    dest_offsets=torch.Size((0,)),
-                    storage_index=MetadataIndex(k),
-                    storage_offsets=torch.Size((0,)),
-                    lengths=torch.Size((0,)),
-                )
-            )
+            items.append(_whole_read_item(LoadItemType.BYTE_IO, MetadataIndex(k), (0,)))
         done: set = set()
 
         def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
@@ -391,7 +382,32 @@ class PersistentCheckpoint:
         chunks: Dict[Tuple[str, tuple], ChunkStorageMetadata] = {}
         for key, _i, c in self.chunk_items():
             chunks[(key, tuple(c.offsets))] = c
-        entries = sorted(
+        entries = self._file_entries(name)
+        tickets = [
+            readahead.add(self.path / name, off, length) if readahead is not None else -1
+            for off, length, _ in entries
+        ]
+        items = []
+        for (_off, _length, index), ticket in zip(entries, tickets):
+            if readahead is not None:
+                readahead.wait(ticket)
+            item = self._stream_entry(index, chunks, on_tensor)
+            if item is not None:
+                items.append(item)
+        failed = self._read_streamed(items, chunks, on_tensor, on_object)
+        return [
+            (
+                ri.storage_index.fqn,
+                None if ri.storage_index.offset is None else list(ri.storage_index.offset),
+                e,
+            )
+            for ri, e in failed
+        ]
+
+    def _file_entries(self, name: str) -> List[Tuple[int, int, MetadataIndex]]:
+        """``(byte offset, length, index)`` of the tensor chunks and objects stored in data file
+        ``name`` whose storage range is valid (:meth:`storage_ok`), in file order."""
+        return sorted(
             (
                 (int(info.offset), int(info.length), index)
                 for index, info in self.storage.items()
@@ -401,45 +417,41 @@ class PersistentCheckpoint:
             ),
             key=lambda e: e[0],
         )
-        tickets = [
-            readahead.add(self.path / name, off, length) if readahead is not None else -1
-            for off, length, _ in entries
-        ]
-        items = []
-        for (_off, _length, index), ticket in zip(entries, tickets):
-            if readahead is not None:
-                readahead.wait(ticket)
-            if index.fqn in self.tensors:
-                c = chunks.get((index.fqn, tuple(index.offset or ())))
-                if c is None:
-                    continue
-                view = self.chunk_view(index.fqn, c)
-                if view is not None:
-                    on_tensor(index.fqn, c, view)
-                    del view
-                    continue
-                zeros = torch.Size([0] * len(c.sizes))
-                items.append(
-                    ReadItem(
-                        type=LoadItemType.TENSOR,
-                        dest_index=index,
-                        dest_offsets=zeros,
-                        storage_index=index,
-                        storage_offsets=zeros,
-                        lengths=torch.Size(c.sizes),
-                    )
-                )
-            else:
-                items.append(
-                    ReadItem(
-                        type=LoadItemType.BYTE_IO,
-                        dest_index=index,
-                        dest_offsets=torch.Size((0,)),
-                        storage_index=index,
-                        storage_offsets=torch.Size((0,)),
-                        lengths=torch.Size((0,)),
-                    )
-                )
+
+    def _stream_entry(
+        self,
+        index: MetadataIndex,
+        chunks: Dict[Tuple[str, tuple], ChunkStorageMetadata],
+        on_tensor: Callable[[str, ChunkStorageMetadata, torch.Tensor], None],
+    ) -> Optional[ReadItem]:
+        """One storage entry of :meth:`stream_file`: a chunk that maps zero-copy goes to
+        ``on_tensor`` now; a chunk that does not and an object return the ``ReadItem`` that
+        reads it through DCP's reader; a chunk that ``chunks`` (the metadata) lacks is skipped
+        (``None``)."""
+        if index.fqn not in self.tensors:
+            return _whole_read_item(LoadItemType.BYTE_IO, index, (0,))
+        c = chunks.get((index.fqn, tuple(index.offset or ())))
+        if c is None:
+            return None
+        view = self.chunk_view(index.fqn, c)
+        if view is not None:
+            on_tensor(index.fqn, c, view)
+            return None
+        return _whole_read_item(LoadItemType.TENSOR, index, c.sizes)
+
+    def _read_streamed(
+        self,
+        items: List[ReadItem],
+        chunks: Dict[Tuple[str, tuple], ChunkStorageMetadata],
+        on_tensor: Callable[[str, ChunkStorageMetadata, torch.Tensor], None],
+        on_object: Callable[[str, Any], None],
+    ) -> List[Tuple[ReadItem, BaseException]]:
+        """Read :meth:`stream_file`'s ``items`` through DCP's reader (:meth:`_read`): each chunk
+        into a new tensor handed to ``on_tensor``, each object unpickled to ``on_object``.
+
+        Returns:
+            ``(read_item, exception)`` for every item that could not be read.
+        """
         done: set = set()
         current: Dict[int, torch.Tensor] = {}
 
@@ -461,12 +473,19 @@ class PersistentCheckpoint:
             obj = torch.load(value, map_location="cpu", weights_only=False)
             on_object(ri.dest_index.fqn, obj)
 
-        failed = self._read(items, _CallbackPlanner(resolve, commit, load_bytes), done)
-        return [
-            (
-                ri.storage_index.fqn,
-                None if ri.storage_index.offset is None else list(ri.storage_index.offset),
-                e,
-            )
-            for ri, e in failed
-        ]
+        return self._read(items, _CallbackPlanner(resolve, commit, load_bytes), done)
+
+
+def _whole_read_item(kind: LoadItemType, index: MetadataIndex, lengths: Sequence[int]) -> ReadItem:
+    """A ``ReadItem`` of the whole stored entry ``index`` into a destination of the same index:
+    a tensor chunk (``LoadItemType.TENSOR``, ``lengths``: its sizes, offsets zero) or a byte
+    object (``LoadItemType.BYTE_IO``, ``lengths`` ``(0,)``)."""
+    zeros = torch.Size([0] * len(lengths))
+    return ReadItem(
+        type=kind,
+        dest_index=index,
+        dest_offsets=zeros,
+        storage_index=index,
+        storage_offsets=zeros,
+        lengths=torch.Size(lengths),
+    )

@@ -236,15 +236,8 @@ def range_sum(
         tuple(global_shape),
     )
     _check(start, stop, local_shape, global_offset, global_shape)
-    flat = (local.detach().reshape(-1)[start:stop] if values is None else values.detach()).reshape(
-        -1
-    )
-    if flat.numel() != stop - start:
-        raise ValueError(f"state digest: {flat.numel()} values for range {start}:{stop}")
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    device = flat.device
-    kernel = _numba_kernel() if device.type == "cpu" and _USE_NUMBA else None
+    flat = _range_values(local, start, stop, values)
+    kernel = _numba_kernel() if flat.device.type == "cpu" and _USE_NUMBA else None
     if kernel is not None and flat.numel():
         if flat.is_complex() or flat.element_size() not in _VIEW:
             raise TypeError(f"state digest: dtype {flat.dtype} is not supported")
@@ -254,18 +247,64 @@ def range_sum(
         return int(kernel(vals, starts, lens)) & _MASK
     gstr = _strides(global_shape)
     base = sum(o * s for o, s in zip(global_offset, gstr))
-    total = torch.zeros((), dtype=torch.int64, device=device)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
     d, run = _runs(local_shape, global_shape)
     if d == 0:  # the whole block is one contiguous global range
-        for c0 in range(0, stop - start, CHUNK):
-            m = min(CHUNK, stop - start - c0)
-            g0 = base + start + c0
-            pos = _arange_k(device, CHUNK)[:m] + signed((g0 + 1) * K_POS)
-            total.add_(_term_sum(flat[c0 : c0 + m], pos))
-        return int(total) & _MASK
-    # General case: runs of length `run`; the run index r (over the outer dims 0..d-1 of the
-    # block) maps to a global start through the outer dims' strides.
-    outer_shape = list(local_shape[:d])
+        _add_contiguous(total, flat, base + start)
+    else:
+        _add_runs(total, flat, start, stop, local_shape[:d], gstr, base, run)
+    return int(total) & _MASK
+
+
+def _range_values(
+    local: torch.Tensor, start: int, stop: int, values: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The ``stop - start`` values :func:`range_sum` digests: ``values`` or elements
+    ``start:stop`` of ``local``, detached, 1-D and contiguous.
+
+    Raises:
+        ValueError: ``values`` does not hold ``stop - start`` elements.
+    """
+    flat = (local.detach().reshape(-1)[start:stop] if values is None else values.detach()).reshape(
+        -1
+    )
+    if flat.numel() != stop - start:
+        raise ValueError(f"state digest: {flat.numel()} values for range {start}:{stop}")
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat
+
+
+def _add_contiguous(total: torch.Tensor, flat: torch.Tensor, first: int) -> None:
+    """Add to ``total`` (0-d int64) the terms of ``flat``, whose elements have the consecutive
+    global indices ``first, first + 1, ...`` (torch ops, :data:`CHUNK` elements at a time)."""
+    device = flat.device
+    n = flat.numel()
+    for c0 in range(0, n, CHUNK):
+        m = min(CHUNK, n - c0)
+        pos = _arange_k(device, CHUNK)[:m] + signed((first + c0 + 1) * K_POS)
+        total.add_(_term_sum(flat[c0 : c0 + m], pos))
+
+
+def _add_runs(
+    total: torch.Tensor,
+    flat: torch.Tensor,
+    start: int,
+    stop: int,
+    outer_shape: Tuple[int, ...],
+    gstr: Tuple[int, ...],
+    base: int,
+    run: int,
+) -> None:
+    """Add to ``total`` (0-d int64) the terms of ``flat``, elements ``start:stop`` of a block
+    whose elements run contiguously in global index over ``run`` elements (:func:`_runs`).
+
+    The run index ``r`` (over the block's ``outer_shape``, its dims before the runs) maps to a
+    global start through the global strides ``gstr`` from ``base`` (the global index of the
+    block's first element). Torch ops; groups of runs of at most :data:`CHUNK` elements, or one
+    run longer than that chunk by chunk."""
+    device = flat.device
+    d = len(outer_shape)
     lstr_outer = _strides(outer_shape)
     in_run = _arange_k(device, run) if run <= CHUNK else None
     rows = max(1, CHUNK // run)
@@ -282,13 +321,8 @@ def range_sum(
         if in_run is not None:
             pos = (gstart.add_(1).mul_(signed(K_POS))[:, None] + in_run[None, :]).reshape(-1)
             total.add_(_term_sum(flat[v0 : v0 + (hi - lo)], pos[lo:hi]))
-            continue
-        g_run = int(gstart[0])  # one run longer than a chunk: contiguous within it
-        for c0 in range(lo, hi, CHUNK):
-            m = min(CHUNK, hi - c0)
-            pos = _arange_k(device, CHUNK)[:m] + signed((g_run + c0 + 1) * K_POS)
-            total.add_(_term_sum(flat[v0 + c0 - lo : v0 + c0 - lo + m], pos))
-    return int(total) & _MASK
+        else:  # one run longer than a chunk: contiguous within it
+            _add_contiguous(total, flat[v0 : v0 + (hi - lo)], int(gstart[0]) + lo)
 
 
 def block_sum(

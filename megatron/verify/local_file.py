@@ -6,7 +6,6 @@ check on it, batch by batch. Problems go to a :class:`~megatron.verify.findings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -26,36 +25,12 @@ from megatron.integrity.readahead import ReadAhead
 from megatron.integrity.torch_save import tensor_file_ranges
 from megatron.verify.discovery import LocalFile, where
 from megatron.verify.findings import CopyPrint, Findings
+from megatron.verify.opened_local import OpenedLocal  # re-exported
 from megatron.verify.options import VerifyOptions
 from megatron.verify.report import FileResult, Problem
 from megatron.verify.tensor_checks import check_objects, check_tensor
 
 __all__ = ["OpenedLocal", "check_opened", "open_local", "plan_readahead", "region_of"]
-
-
-@dataclass
-class OpenedLocal:
-    """A local file loaded (memory-mapped) and, once planned, its read-ahead tickets.
-
-    Attributes:
-        base: the :class:`~megatron.verify.report.Problem` fields naming the file.
-        items: ``(key, tensor, ShardedTensor or None)`` per tensor, in file order.
-        objs: its ``ShardedObject`` s.
-        entries: its checksum record's entries (``None``: no record).
-        batches: tensor indices per batch (at most ``batch_bytes`` each, or one tensor).
-    """
-
-    lf: LocalFile
-    res: FileResult
-    base: dict
-    sd: Any = None
-    items: List[Tuple[str, Any, Any]] = field(default_factory=list)
-    objs: list = field(default_factory=list)
-    entries: Optional[list] = None
-    print: Optional[CopyPrint] = None
-    batches: List[List[int]] = field(default_factory=list)
-    batch_tickets: List[int] = field(default_factory=list)
-    failed: bool = False
 
 
 def _sharded_parts(sd: Any) -> Tuple[Optional[list], list]:

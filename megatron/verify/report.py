@@ -478,7 +478,6 @@ class VerifyReport:
 
     def format_text(self, max_rows: int = 50) -> str:
         """Summary, the per-key mismatch table, and the first ``max_rows`` problems and warnings."""
-        s = self.summary()
         its = (
             f"iterations {', '.join(map(str, self.iterations))}"
             if len(self.iterations) > 1
@@ -490,6 +489,26 @@ class VerifyReport:
             f"  persistent: {self.persistent_dir or '-'}",
             "",
         ]
+        lines.append(format_table(("summary", "value"), self._summary_rows(self.summary())))
+        if self.local_iterations is not None:
+            lines += ["", *self.local_iteration_lines()]
+        lines += self._mismatch_table_lines(max_rows)
+        for title, items in (("Problems", self.problems), ("Warnings", self.warnings)):
+            if items:
+                lines += ["", f"{title} ({len(items)}):"]
+                for p in items[:max_rows]:
+                    lines.append(f"  [{p.kind}] {p.message}")
+                if len(items) > max_rows:
+                    lines.append(f"  ... {len(items) - max_rows} more (see --json)")
+        lines += [
+            "",
+            "RESULT: " + ("OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))"),
+        ]
+        return "\n".join(lines)
+
+    def _summary_rows(self, s: Dict[str, Any]) -> List[Tuple[str, Any]]:
+        """``(label, value)`` rows of the text summary table from :meth:`summary` ``s``: the counts
+        this mode has, then integrity.json, state_digest.json, findings and time."""
         persistent_only = self.mode == "persistent"
         rows = [
             (
@@ -528,6 +547,24 @@ class VerifyReport:
             )
         if persistent_only:
             rows.append(("objects read", s["objects_read"]))
+        rows += self._record_rows()
+        rows.append(("problems", f"{s['problems']} {s['problems_by_kind'] or ''}".strip()))
+        rows.append(("warnings", f"{s['warnings']} {s['warnings_by_kind'] or ''}".strip()))
+        if self.timing:
+            t = self.timing
+            rows.append(
+                (
+                    "time",
+                    f"{t.get('wall_s', 0):.2f} s on {t.get('workers', 1)} process(es), "
+                    f"{human_bytes(t.get('bytes_read', 0))} read, {t.get('gb_per_s', 0):.3f} GB/s",
+                )
+            )
+        return rows
+
+    def _record_rows(self) -> List[Tuple[str, str]]:
+        """Summary rows on the persistent checkpoint's records: ``integrity.json`` (its algorithm,
+        verified / FAILED / skipped / absent) and ``state_digest.json``, each when looked at."""
+        rows = []
         if self.manifest is not None:
             m = self.manifest
             state = (
@@ -552,55 +589,36 @@ class VerifyReport:
                     else "absent (saved without a state digest: its resumes are not proven)",
                 )
             )
-        rows.append(("problems", f"{s['problems']} {s['problems_by_kind'] or ''}".strip()))
-        rows.append(("warnings", f"{s['warnings']} {s['warnings_by_kind'] or ''}".strip()))
-        if self.timing:
-            t = self.timing
-            rows.append(
-                (
-                    "time",
-                    f"{t.get('wall_s', 0):.2f} s on {t.get('workers', 1)} process(es), "
-                    f"{human_bytes(t.get('bytes_read', 0))} read, {t.get('gb_per_s', 0):.3f} GB/s",
-                )
-            )
-        lines.append(format_table(("summary", "value"), rows))
-        if self.local_iterations is not None:
-            lines += ["", *self.local_iteration_lines()]
+        return rows
+
+    def _mismatch_table_lines(self, max_rows: int) -> List[str]:
+        """Text lines of the per-key table of bad shards (:meth:`mismatch_rows`, its first
+        ``max_rows`` keys), preceded by a blank line and its title; ``[]`` when no shard is bad."""
         mrows = self.mismatch_rows()
-        if mrows:
-            lines += [
-                "",
-                "Bad shards per key (numeric key segments -> *; indices: replaced numbers and "
-                "prepended-axis offsets, e.g. layer):",
-            ]
-            cols = (
-                "key",
-                "shards",
-                "value",
-                "checksum",
-                "nonfinite",
-                "other",
-                "primary",
-                "replica",
-                "persistent",
-                "owners",
-                "holders",
-                "indices",
-            )
-            lines.append(
-                format_table(cols, [[r[c] for c in cols] for r in mrows[:max_rows]], max_width=80)
-            )
-            if len(mrows) > max_rows:
-                lines.append(f"... {len(mrows) - max_rows} more keys (see --json)")
-        for title, items in (("Problems", self.problems), ("Warnings", self.warnings)):
-            if items:
-                lines += ["", f"{title} ({len(items)}):"]
-                for p in items[:max_rows]:
-                    lines.append(f"  [{p.kind}] {p.message}")
-                if len(items) > max_rows:
-                    lines.append(f"  ... {len(items) - max_rows} more (see --json)")
-        lines += [
+        if not mrows:
+            return []
+        lines = [
             "",
-            "RESULT: " + ("OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))"),
+            "Bad shards per key (numeric key segments -> *; indices: replaced numbers and "
+            "prepended-axis offsets, e.g. layer):",
         ]
-        return "\n".join(lines)
+        cols = (
+            "key",
+            "shards",
+            "value",
+            "checksum",
+            "nonfinite",
+            "other",
+            "primary",
+            "replica",
+            "persistent",
+            "owners",
+            "holders",
+            "indices",
+        )
+        lines.append(
+            format_table(cols, [[r[c] for c in cols] for r in mrows[:max_rows]], max_width=80)
+        )
+        if len(mrows) > max_rows:
+            lines.append(f"... {len(mrows) - max_rows} more keys (see --json)")
+        return lines

@@ -5,7 +5,7 @@ equality with the persistent region (with where and how they differ), and main-r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -21,16 +21,14 @@ from megatron.integrity.tensor_ops import (
 from megatron.integrity.tensors import is_quantized
 from megatron.verify.discovery import where
 from megatron.verify.findings import Findings
+from megatron.verify.opened_local import OpenedLocal
 from megatron.verify.options import VerifyOptions
 from megatron.verify.report import Problem
-
-if TYPE_CHECKING:
-    from megatron.verify.local_file import OpenedLocal
 
 __all__ = ["check_objects", "check_tensor"]
 
 
-def _entry(op: "OpenedLocal", i: int, info: dict, at: str, part: Findings) -> Optional[dict]:
+def _entry(op: OpenedLocal, i: int, info: dict, at: str, part: Findings) -> Optional[dict]:
     """Tensor ``i``'s checksum record entry if it describes this tensor (``info``: its problem
     fields), else ``None`` (a mismatching entry is a ``checksum_mismatch`` problem)."""
     if op.entries is None or i >= len(op.entries):
@@ -64,7 +62,7 @@ def _entry(op: "OpenedLocal", i: int, info: dict, at: str, part: Findings) -> Op
 
 
 def check_tensor(
-    op: "OpenedLocal",
+    op: OpenedLocal,
     i: int,
     region: Union[torch.Tensor, str, None],
     part: Findings,
@@ -76,61 +74,24 @@ def check_tensor(
         region: the persistent region of the tensor (same shape), a message why it could not be
             read (a ``missing_in_persistent`` problem), or ``None`` (no persistent checkpoint).
     """
-    lf, res, cp = op.lf, op.res, op.print
     key, t, sh = op.items[i]
     offset = [int(o) for o in sh.global_offset] if sh is not None else None
     if not isinstance(t, torch.Tensor) or is_quantized(t):
-        part.problems.append(
-            Problem(
-                "unreadable",
-                f"{where(lf)}: '{key}' is a {type(t).__name__}, not a plain tensor",
-                **op.base,
-                key=key,
-            )
-        )
-        if cp is not None:
-            cp.tensors.append(
-                (key, None if offset is None else tuple(offset), type(t).__name__, (), None, None)
-            )
+        _not_a_tensor(op, key, t, offset, part)
         return
-    prepend = int(sh.prepend_axis_num) if sh is not None else 0
-    info = dict(
-        op.base,
-        key=key,
-        global_offset=offset,
-        prepend_axis_num=prepend,
-        shape=list(t.shape),
-        dtype=ck.dtype_name(t.dtype),
-        nbytes=t.numel() * t.element_size(),
-    )
+    info = _problem_fields(op, key, t, sh, offset)
     at = f"'{key}'" + (f" at {offset}" if offset is not None else "")
     t = dense(t)
     entry = _entry(op, i, info, at, part)
-    ref = None
-    if isinstance(region, torch.Tensor):
-        if region.dtype != t.dtype:
-            part.problems.append(
-                Problem(
-                    "dtype_mismatch",
-                    f"{where(lf)}: {at}: local dtype {info['dtype']}, persistent "
-                    f"{ck.dtype_name(region.dtype)}",
-                    **info,
-                )
-            )
-        else:
-            ref = dense(region.reshape(t.shape))
-    elif isinstance(region, str):
-        part.problems.append(
-            Problem("missing_in_persistent", f"{where(lf)}: {at}: {region}", **info)
-        )
+    ref = _reference(op, t, region, info, at, part)
 
     # the checksum of the bytes is always computed: it verifies the stored one and, for files
     # without a record, is what their copies are compared by
     checksum, equal, maybe_nonfinite = fused_scan(
         t, ref, want_checksum=True, check_nonfinite=opts.check_nonfinite
     )
-    if cp is not None:
-        cp.tensors.append(
+    if op.print is not None:
+        op.print.tensors.append(
             (
                 key,
                 None if offset is None else tuple(offset),
@@ -142,44 +103,130 @@ def check_tensor(
         )
     # 1. stored checksum
     if entry is not None:
-        if entry.get("algorithm", ck.ALGORITHM) != ck.ALGORITHM:  # e.g. pmix64 (hashed on a GPU)
-            checksum = ck.tensor_checksum(t, entry["algorithm"])
-        if checksum == entry["checksum"]:
-            res.checksums_verified += 1
-        else:
-            res.checksums_failed += 1
-            part.problems.append(
-                Problem(
-                    "checksum_mismatch",
-                    f"{where(lf)}: {at}: bytes hash to {checksum:#018x}, the "
-                    f"file's record says {entry['checksum']:#018x}",
-                    **info,
-                    details={"expected_checksum": entry["checksum"], "actual_checksum": checksum},
-                )
-            )
+        _check_stored_checksum(op, t, entry, checksum, info, at, part)
     # 2. NaN / Inf
     if opts.check_nonfinite:
-        res.bytes_scanned += info["nbytes"]
+        op.res.bytes_scanned += info["nbytes"]
         if maybe_nonfinite:
-            nan, inf = count_nonfinite(t)
-            res.nonfinite_tensors += 1
-            part.problems.append(
-                Problem(
-                    "nonfinite",
-                    f"{where(lf)}: {at} ({info['dtype']}"
-                    f"{info['shape']}) holds {nan} NaN and {inf} Inf of "
-                    f"{t.numel()} elements",
-                    **info,
-                    details={"nan": nan, "inf": inf},
-                )
-            )
+            _nonfinite_problem(op, t, info, at, part)
     # 3. against the persistent checkpoint
     if ref is not None:
         _compare(op, t, ref, equal, info, at, part)
 
 
+def _not_a_tensor(
+    op: OpenedLocal, key: str, t: Any, offset: Optional[list], part: Findings
+) -> None:
+    """An ``unreadable`` problem for an item that is not a plain tensor (a quantized tensor, any
+    other object), recorded in the copy's print without a checksum."""
+    part.problems.append(
+        Problem(
+            "unreadable",
+            f"{where(op.lf)}: '{key}' is a {type(t).__name__}, not a plain tensor",
+            **op.base,
+            key=key,
+        )
+    )
+    if op.print is not None:
+        op.print.tensors.append(
+            (key, None if offset is None else tuple(offset), type(t).__name__, (), None, None)
+        )
+
+
+def _problem_fields(
+    op: OpenedLocal, key: str, t: torch.Tensor, sh: Any, offset: Optional[list]
+) -> dict:
+    """The :class:`~megatron.verify.report.Problem` fields naming tensor ``t`` (stored as it is:
+    shape, dtype name, bytes) of key ``key`` at global ``offset`` (``sh``: its ``ShardedTensor``
+    or ``None``)."""
+    return dict(
+        op.base,
+        key=key,
+        global_offset=offset,
+        prepend_axis_num=int(sh.prepend_axis_num) if sh is not None else 0,
+        shape=list(t.shape),
+        dtype=ck.dtype_name(t.dtype),
+        nbytes=t.numel() * t.element_size(),
+    )
+
+
+def _reference(
+    op: OpenedLocal,
+    t: torch.Tensor,
+    region: Union[torch.Tensor, str, None],
+    info: dict,
+    at: str,
+    part: Findings,
+) -> Optional[torch.Tensor]:
+    """The persistent region to compare ``t`` with (dense, ``t``'s shape), or ``None``: no
+    persistent checkpoint, or a ``dtype_mismatch`` / ``missing_in_persistent`` problem."""
+    if isinstance(region, torch.Tensor):
+        if region.dtype == t.dtype:
+            return dense(region.reshape(t.shape))
+        part.problems.append(
+            Problem(
+                "dtype_mismatch",
+                f"{where(op.lf)}: {at}: local dtype {info['dtype']}, persistent "
+                f"{ck.dtype_name(region.dtype)}",
+                **info,
+            )
+        )
+    elif isinstance(region, str):
+        part.problems.append(
+            Problem("missing_in_persistent", f"{where(op.lf)}: {at}: {region}", **info)
+        )
+    return None
+
+
+def _check_stored_checksum(
+    op: OpenedLocal,
+    t: torch.Tensor,
+    entry: dict,
+    checksum: int,
+    info: dict,
+    at: str,
+    part: Findings,
+) -> None:
+    """Count ``t``'s ``checksum`` (xxh3 of its bytes; recomputed when the record's ``entry`` names
+    another algorithm) against the stored one; a ``checksum_mismatch`` problem when they differ."""
+    res = op.res
+    if entry.get("algorithm", ck.ALGORITHM) != ck.ALGORITHM:  # e.g. pmix64 (hashed on a GPU)
+        checksum = ck.tensor_checksum(t, entry["algorithm"])
+    if checksum == entry["checksum"]:
+        res.checksums_verified += 1
+        return
+    res.checksums_failed += 1
+    part.problems.append(
+        Problem(
+            "checksum_mismatch",
+            f"{where(op.lf)}: {at}: bytes hash to {checksum:#018x}, the "
+            f"file's record says {entry['checksum']:#018x}",
+            **info,
+            details={"expected_checksum": entry["checksum"], "actual_checksum": checksum},
+        )
+    )
+
+
+def _nonfinite_problem(
+    op: OpenedLocal, t: torch.Tensor, info: dict, at: str, part: Findings
+) -> None:
+    """Count ``t`` as holding NaN/Inf; a ``nonfinite`` problem with how many of each."""
+    nan, inf = count_nonfinite(t)
+    op.res.nonfinite_tensors += 1
+    part.problems.append(
+        Problem(
+            "nonfinite",
+            f"{where(op.lf)}: {at} ({info['dtype']}"
+            f"{info['shape']}) holds {nan} NaN and {inf} Inf of "
+            f"{t.numel()} elements",
+            **info,
+            details={"nan": nan, "inf": inf},
+        )
+    )
+
+
 def _compare(
-    op: "OpenedLocal",
+    op: OpenedLocal,
     t: torch.Tensor,
     ref: torch.Tensor,
     equal: Optional[bool],
@@ -217,7 +264,7 @@ def _is_main_replica(replica_id: Any) -> bool:
     return all(r == 0 for r in replica_id)
 
 
-def check_objects(op: "OpenedLocal", part: Findings, pc: PersistentCheckpoint) -> None:
+def check_objects(op: OpenedLocal, part: Findings, pc: PersistentCheckpoint) -> None:
     """Compare the main-replica ``ShardedObject`` s of an opened local file with the persistent
     ones (deep equality, :func:`~megatron.integrity.tensor_ops.deep_difference`); the
     others are counted as skipped."""

@@ -148,68 +148,93 @@ def plan_quantizer_layout(
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    plan = LayoutPlan()
+    planner = _LayoutPlanner(ckpt, checkpoint_dir)
+    for path, st in _walk(sharded_state_dict):
+        if type(st) is ShardedTensor:
+            planner.request(path, st)
+    return planner.plan
+
+
+@dataclass
+class _LayoutPlanner:
+    """:func:`plan_quantizer_layout` under way: the checkpoint's tensors (``ckpt``: key ->
+    (global shape, dtype)), the directory named in messages, and the plan so far."""
+
+    ckpt: dict[str, tuple[tuple, torch.dtype]]
+    checkpoint_dir: Any
+    plan: LayoutPlan = field(default_factory=LayoutPlan)
+    #: (head, tail) -> experts of the checkpoint's per-expert keys; built on first use.
     per_expert_index: dict[tuple[str, str], list[int]] | None = None
 
-    def ckpt_experts(head: str, tail: str) -> list[int]:
-        nonlocal per_expert_index
-        if per_expert_index is None:
-            per_expert_index = {}
-            for k in ckpt:
+    def ckpt_experts(self, head: str, tail: str) -> list[int]:
+        """Sorted experts ``e`` for which the checkpoint holds ``<head><e>.<tail>``."""
+        if self.per_expert_index is None:
+            self.per_expert_index = {}
+            for k in self.ckpt:
                 m = _PER_EXPERT_KEY.match(k)
                 if m:
-                    per_expert_index.setdefault((m["head"], m["tail"]), []).append(int(m["e"]))
-        return sorted(per_expert_index.get((head, tail), []))
+                    self.per_expert_index.setdefault((m["head"], m["tail"]), []).append(int(m["e"]))
+        return sorted(self.per_expert_index.get((head, tail), []))
 
-    for path, st in _walk(sharded_state_dict):
-        if type(st) is not ShardedTensor:
-            continue
+    def error(self, key: str, want: tuple, holds: str) -> None:
+        """Plan an error: the model expects ``key`` of global shape ``want``, the checkpoint
+        ``holds`` (the rest of the sentence)."""
+        self.plan.errors.append(
+            f"model expects {_describe(key, want)}, checkpoint {self.checkpoint_dir} holds {holds}"
+        )
+
+    def request(self, path: tuple, st: Any) -> None:
+        """Plan one requested ``ShardedTensor`` ``st`` at ``path`` of the state dict: nothing
+        for keys other than expert quantizers' and for keys the checkpoint holds with the same
+        global shape (or ``allow_shape_mismatch``)."""
         key, want = st.key, tuple(st.global_shape)
         pe, sh = _PER_EXPERT_KEY.match(key), _SHARED_EXPERT_KEY.match(key)
         if not pe and not sh:
-            continue
-        if key in ckpt:
-            have = ckpt[key][0]
+            return
+        if key in self.ckpt:
+            have = self.ckpt[key][0]
             if have != want and not st.allow_shape_mismatch:
-                plan.errors.append(
-                    f"model expects {_describe(key, want)}, checkpoint {checkpoint_dir} holds "
-                    f"{_describe(key, have)}"
-                )
-            continue
-        if pe:
-            head, tail = pe["head"], pe["tail"]
-            shared_key = head + tail
-            if shared_key in ckpt:
-                have, dtype = ckpt[shared_key]
-                p = st.prepend_axis_num
-                scalar = st.data is not None and st.data.numel() == 1 and _numel(have) == 1
-                if have == want[p:] or scalar:
-                    remap = plan.remaps.setdefault(shared_key, _Remap(shared_key, have, dtype))
-                    remap.entries.append((path, st))
-                else:
-                    plan.errors.append(
-                        f"model expects {_describe(key, want)}, checkpoint {checkpoint_dir} holds "
-                        f"{_describe(shared_key, have)}"
-                    )
-                continue
-            experts = ckpt_experts(head, tail)
-            if experts:
-                plan.errors.append(
-                    f"model expects {_describe(key, want)}, checkpoint "
-                    f"{checkpoint_dir} holds the per-expert layout for experts "
-                    f"{_ranges(experts)} only ('{head}<e>.{tail}')"
-                )
+                self.error(key, want, _describe(key, have))
+        elif pe:
+            self.per_expert_request(path, st, want, pe["head"], pe["tail"])
         else:
-            head, tail = sh["head"], sh["tail"]
-            experts = ckpt_experts(head, tail)
-            if experts:
-                have = ckpt[f"{head}{experts[0]}.{tail}"][0]
-                plan.errors.append(
-                    f"model expects {_describe(key, want)}, checkpoint {checkpoint_dir} holds the "
-                    f"per-expert layout ('{head}<e>.{tail}', experts {_ranges(experts)}, global "
-                    f"shape {have} each); one value for all experts cannot be chosen"
-                )
-    return plan
+            self.shared_request(key, want, sh["head"], sh["tail"])
+
+    def per_expert_request(self, path: tuple, st: Any, want: tuple, head: str, tail: str) -> None:
+        """A per-expert request the checkpoint does not hold: a remap from the shared tensor
+        ``<head><tail>`` when it fits (the expert's shape, or one value for a one-element
+        quantizer), an error when it does not or when the checkpoint holds other experts only."""
+        key, shared_key = st.key, head + tail
+        if shared_key in self.ckpt:
+            have, dtype = self.ckpt[shared_key]
+            p = st.prepend_axis_num
+            scalar = st.data is not None and st.data.numel() == 1 and _numel(have) == 1
+            if have == want[p:] or scalar:
+                remap = self.plan.remaps.setdefault(shared_key, _Remap(shared_key, have, dtype))
+                remap.entries.append((path, st))
+            else:
+                self.error(key, want, _describe(shared_key, have))
+            return
+        experts = self.ckpt_experts(head, tail)
+        if experts:
+            self.error(
+                key,
+                want,
+                f"the per-expert layout for experts {_ranges(experts)} only ('{head}<e>.{tail}')",
+            )
+
+    def shared_request(self, key: str, want: tuple, head: str, tail: str) -> None:
+        """A request of a tensor shared by the experts that the checkpoint does not hold: an
+        error when the checkpoint holds the per-expert layout instead (no one value to choose)."""
+        experts = self.ckpt_experts(head, tail)
+        if experts:
+            have = self.ckpt[f"{head}{experts[0]}.{tail}"][0]
+            self.error(
+                key,
+                want,
+                f"the per-expert layout ('{head}<e>.{tail}', experts {_ranges(experts)}, global "
+                f"shape {have} each); one value for all experts cannot be chosen",
+            )
 
 
 def _agree(plan: LayoutPlan, process_group: Any, checkpoint_dir: Any) -> dict[str, int]:
