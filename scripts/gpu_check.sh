@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MEGATRON_TEST_DEVICE=cuda
 "$py" -c 'import torch; assert torch.cuda.is_available(), "gpu_check: no CUDA device visible"'
-"$py" -m pytest tests/functional_tests/test_gpu.py tests/unit_tests/integrity/test_device_hash.py \
+"$py" -m pytest tests/functional_tests/test_gpu.py tests/unit_tests/integrity/test_checksum_device.py \
   tests/unit_tests/fixes/test_replication_cuda.py -m gpu -p no:cacheprovider -q "$@"
 if [ "${BENCH:-1}" != 0 ]; then
   "$py" tools/bench_replication.py --device cuda --size-mb 256 --reps 5 --hash-sizes 1,16,256,1024

@@ -83,7 +83,7 @@ def _median_time(fn, reps, sync=lambda: None):
 def hash_table(device: str, sizes_mib, reps: int) -> list:
     """Rows ``(algorithm, size MiB, GB/s, GB/s of a copy of the same bytes)``, interleaved."""
     sys.path.insert(0, _REPO)
-    from megatron.integrity import device_hash as dh
+    from megatron.integrity.checksum import device as dh
 
     cands = {}
     if device == "cpu":
@@ -179,7 +179,7 @@ def _worker(rank, world, port, args, out_q):
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     from megatron.fixes import replication as R
-    from megatron.integrity import checksums as ck
+    from megatron.integrity.checksum import tensor as ck
 
     total = args.size_mb * 1024 * 1024
     group = dist.new_group(list(range(world)))

@@ -31,6 +31,7 @@ before 2026-12-05) and the load. Times are the slowest rank's, seconds, median a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import statistics
@@ -93,21 +94,23 @@ def _quickstart_blocks(rank: int):
 def _digest_fn(blocks, states, world):
     """The resume proof's digest of ``blocks`` (model) and ``states`` (per block: the optimizer
     state tensors by name): block sums on the main replica, then its exchange."""
-    from megatron.integrity import state_digest as sd
+    from megatron.integrity.digest import state as sd
     from megatron.training_ext import resume_proof as rp
 
     exchange = rp.DigestExchange()
 
-    def digest(combine=exchange.exchange):
+    def digest(combine=exchange.exchange, kernel="auto"):
         acc = rp.PartialDigest()
         with rp.no_torch_function():  # as the resume proof reads them
             for i, (key, data, goff, gshape, replica) in enumerate(blocks):
                 if replica != 0:
                     continue
-                acc.add(key, sd.block_sum(data, goff, gshape), gshape, data.dtype, "model")
+                acc.add(key, sd.block_sum(data, goff, gshape, kernel), gshape, data.dtype, "model")
                 lshape = (1,) * (len(gshape) - data.dim()) + tuple(data.shape)
                 for name, value in states[i].items():
-                    v = sd.range_sum(data, 0, data.numel(), lshape, goff, gshape, values=value)
+                    v = sd.range_sum(
+                        data, 0, data.numel(), lshape, goff, gshape, values=value, kernel=kernel
+                    )
                     acc.add(f"optimizer.state.{name}.{key}", v, gshape, value.dtype, "optimizer")
         mine = (acc.sums, acc.meta, acc.skipped, {"torch": "0" * 16}, {"optimizer_step": []}, None)
         sums, meta, *_ = combine(mine)
@@ -137,16 +140,13 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron.cpu import runtime
-    from megatron.integrity import state_digest as sd
+    from megatron.integrity.digest import state as sd
     from megatron.training_ext import persistent_tier
 
     runtime.activate()
     logging.disable(logging.INFO)
     sd.warm_up()
-    try:
-        from megatron.integrity.digest_kernel import segments_sum as scalar
-    except ImportError:
-        scalar = None
+    has_numba = importlib.util.find_spec("numba") is not None  # its scalar form can be timed
     device = "cuda" if args.cuda else "cpu"
     results = {}
     for config in args.configs:
@@ -200,12 +200,10 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
             t0 = time.perf_counter()
             digest()
             t_digest = slowest(time.perf_counter() - t0)
-            if config == "256mb" and scalar is not None:  # the kernel's form for AVX2 hosts
-                form, sd._numba_kernel = sd._numba_kernel, lambda: scalar
+            if config == "256mb" and has_numba:  # the kernel's form for AVX2 hosts
                 t0 = time.perf_counter()
-                digest()
+                digest(kernel="scalar")
                 t_scalar = slowest(time.perf_counter() - t0)
-                sd._numba_kernel = form
             dist.barrier()
             t0 = time.perf_counter()
             save(d if config == "256mb" else rep + 2)
@@ -214,7 +212,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
             if rep >= 0:
                 times["digest"].append(t_digest)
                 times["digest, gathering exchange"].append(t_gather)
-                if config == "256mb" and scalar is not None:
+                if config == "256mb" and has_numba:
                     times["digest, scalar kernel"].append(t_scalar)
                 times["save"].append(t_save)
                 if t_load is not None:

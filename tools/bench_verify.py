@@ -90,7 +90,7 @@ def generate(root: Path, size_gb: float, world: int, hidden: int, seed: int = 0)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
-    from megatron.integrity import checksums as ck
+    from megatron.integrity.checksum import tensor as ck
 
     factor = min(2, world)
     dtype = torch.bfloat16

@@ -62,12 +62,12 @@ def check(checkpoint_dir: str, progress: bool = True) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron.integrity import state_digest as sd
     from megatron.integrity.dcp_metadata import read_dcp_metadata
-    from megatron.integrity.state_digest import read_digest
+    from megatron.integrity.digest import state as sd
+    from megatron.integrity.digest.record import read_record
 
     t0 = time.perf_counter()
-    record = read_digest(checkpoint_dir)
+    record = read_record(checkpoint_dir)
     if record is None:
         raise FileNotFoundError(f"{checkpoint_dir}: no state_digest.json (saved without a digest)")
     meta = read_dcp_metadata(checkpoint_dir)

@@ -30,9 +30,9 @@ _EXPERT_PREFIX = (
 )
 
 
-def state_digest(state: Any) -> str:
-    """Short SHA-256 of one RNG state (a ``torch.ByteTensor``, or anything ``repr``-able), for
-    comparing states in logs: 12 hex characters."""
+def rng_checksum(state: Any) -> str:
+    """Short SHA-256 checksum of one RNG state (a ``torch.ByteTensor``, or anything
+    ``repr``-able), for comparing states in logs: 12 hex characters."""
     import torch
 
     if isinstance(state, torch.Tensor):
@@ -42,15 +42,15 @@ def state_digest(state: Any) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-def stream_digests(rng_state: dict) -> dict[str, str]:
-    """Digest of every stream of one rank's RNG state dict (as ``get_rng_state`` builds it):
-    ``torch`` (CPU), ``cuda`` and each tracker stream by name."""
+def stream_checksums(rng_state: dict) -> dict[str, str]:
+    """Checksum (:func:`rng_checksum`) of every stream of one rank's RNG state dict (as
+    ``get_rng_state`` builds it): ``torch`` (CPU), ``cuda`` and each tracker stream by name."""
     out = {
-        "torch": state_digest(rng_state["torch_rng_state"]),
-        "cuda": state_digest(rng_state["cuda_rng_state"]),
+        "torch": rng_checksum(rng_state["torch_rng_state"]),
+        "cuda": rng_checksum(rng_state["cuda_rng_state"]),
     }
     for name, st in sorted(rng_state.get("rng_tracker_states", {}).items()):
-        out[name] = state_digest(st)
+        out[name] = rng_checksum(st)
     return out
 
 
@@ -240,7 +240,7 @@ def wrap_load(upstream: Callable) -> Callable:
             "rng_state: rank %d loads %s; restored %s",
             rank,
             how,
-            _fmt(stream_digests(restored[0])),
+            _fmt(stream_checksums(restored[0])),
         )
         return result
 
@@ -249,20 +249,21 @@ def wrap_load(upstream: Callable) -> Callable:
 
 def wrap_generate_state_dict(upstream: Callable) -> Callable:
     """Factory of the replacement of ``megatron.training.checkpointing.generate_state_dict``:
-    upstream's, logging (DEBUG) a digest of each RNG stream this rank saves in a per-rank entry."""
+    upstream's, logging (DEBUG) a checksum of each RNG stream this rank saves in a per-rank
+    entry."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     @wraps_upstream(upstream)
     def generate_state_dict(*args, **kwargs):
-        """Upstream's; logs a digest of each RNG stream saved."""
+        """Upstream's; logs a checksum of each RNG stream saved."""
         sd = upstream(*args, **kwargs)
         rng = sd.get("rng_state") if isinstance(sd, dict) else None
         if isinstance(rng, ShardedObject) and rng.key.endswith(PER_RANK_KEY) and rng.data:
             logger.debug(  # per save and rank: state_digest.json records them (resume proof)
                 "rng_state: rank %d saves %s",
                 torch.distributed.get_rank(),
-                _fmt(stream_digests(rng.data[0])),
+                _fmt(stream_checksums(rng.data[0])),
             )
         return sd
 
@@ -334,7 +335,7 @@ class RngStateEpFix(Fix):
         Patch(
             "megatron.training.checkpointing.generate_state_dict",
             wrap_generate_state_dict,
-            "logs a digest of each RNG stream this rank saves, so per-rank save and "
+            "logs a checksum of each RNG stream this rank saves, so per-rank save and "
             "restore can be compared in logs",
         ),
     )

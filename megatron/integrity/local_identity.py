@@ -8,7 +8,7 @@ used; ``tools/verify_checkpoint.py`` reads it too. The rules are in ``docs/local
 
 The record (attribute :data:`IDENTITY_ATTR` of the saved ``TensorAwareStateDict``, builtin types
 only; format ``megatron.local_tier.identity`` v1) is built by :func:`make_identity`: run id and its
-source, the run settings it digests, topology, iteration, owner rank, save token, host.
+source, the run settings it is derived from, topology, iteration, owner rank, save token, host.
 """
 
 from __future__ import annotations
@@ -280,8 +280,8 @@ def run_identity(
     explicit = getattr(args, "local_tier_run_id", None)
     if explicit:
         return str(explicit), RUN_ID_FLAG, settings
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    return digest, "derived", settings
+    derived = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return derived, "derived", settings
 
 
 def topology(args: Any) -> dict:

@@ -2,11 +2,11 @@
 verified at load, so that a flipped, truncated or missing file is found and named, with its byte
 range, before its bytes reach the model.
 
-The file is megatron-core's integrity manifest (``{"algorithm": ..., "files": {name: digest}}``,
+The file is megatron-core's integrity manifest (``{"algorithm": ..., "files": {name: checksum}}``,
 ``megatron.core.dist_checkpointing.validation``) with a faster algorithm, ``xxh3-64-blocks``:
 xxh3-64 of every :data:`BLOCK_BYTES` block of a file (``"blocks"``), the file's size (``"sizes"``)
-and, under ``"files"``, the xxh3-128 of the size and block digests (one value per file, as
-upstream's format has; :mod:`megatron.integrity.file_digest`). Upstream's ``sha256`` manifests
+and, under ``"files"``, the xxh3-128 of the size and block checksums (one value per file, as
+upstream's format has; :mod:`megatron.integrity.checksum.file`). Upstream's ``sha256`` manifests
 verify as well, file by file. Design and measured costs: ``docs/persistent-tier.md``.
 
 Saving and verifying are collective when ``torch.distributed`` is initialised: every rank hashes
@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron.integrity import write_digest
-from megatron.integrity.dcp_metadata import DcpMetadataError, read_dcp_metadata
-from megatron.integrity.file_digest import (
+from megatron.integrity.checksum import written as written_checksums
+from megatron.integrity.checksum.file import (
     ALGORITHM,
     BLOCK_BYTES,
     VERSION,
-    FileDigest,
+    FileChecksum,
     hash_file,
     sha256_file,
 )
+from megatron.integrity.dcp_metadata import DcpMetadataError, read_dcp_metadata
 from megatron.overlay import collective
 from megatron.overlay.errors import OverlayError
 
@@ -44,7 +44,7 @@ __all__ = [
     "UPSTREAM_ALGORITHM",
     "VERSION",
     "CheckpointIntegrityError",
-    "FileDigest",
+    "FileChecksum",
     "FileProblem",
     "VerifySummary",
     "check_files",
@@ -142,14 +142,14 @@ class VerifySummary:
 
 def _manifest_names(checkpoint_dir: Path) -> List[str]:
     """Top-level regular files of a checkpoint directory, except the manifest and its temporary
-    and the digest side files of saves (:mod:`megatron.integrity.write_digest`)."""
+    and the checksum side files of saves (:mod:`megatron.integrity.checksum.written`)."""
     out = []
     for e in os.scandir(checkpoint_dir):
         name = e.name[: -len(".tmp")] if e.name.endswith(".tmp") else e.name
         if (
             e.is_file(follow_symlinks=False)
             and not e.name.startswith(INTEGRITY_FNAME)
-            and not write_digest.is_side_file(name)
+            and not written_checksums.is_side_file(name)
         ):
             out.append(e.name)
     return sorted(out)
@@ -202,13 +202,15 @@ def read_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Optional[dict]:
     return man
 
 
-def _write_manifest(checkpoint_dir: Path, records: Dict[str, FileDigest], block_bytes: int) -> None:
+def _write_manifest(
+    checkpoint_dir: Path, records: Dict[str, FileChecksum], block_bytes: int
+) -> None:
     names = sorted(records)
     payload = {
         "algorithm": ALGORITHM,
         "version": VERSION,
         "block_bytes": block_bytes,
-        "files": {n: records[n].digest for n in names},
+        "files": {n: records[n].checksum for n in names},
         "sizes": {n: records[n].size for n in names},
         "blocks": {n: list(records[n].blocks) for n in names},
     }
@@ -277,7 +279,7 @@ def _check_one(checkpoint_dir: Path, name: str, manifest: dict) -> List[FileProb
                 min((last + 1) * block, size) - 1,
             )
         )
-    if not out and got.digest != manifest["files"][name]:
+    if not out and got.checksum != manifest["files"][name]:
         out.append(
             FileProblem(name, "file digest differs from integrity.json", 0, max(size - 1, 0))
         )
@@ -299,7 +301,7 @@ def check_files(
     checkpoint_dir: Union[str, os.PathLike], manifest: dict, names: Optional[Sequence[str]] = None
 ) -> List[FileProblem]:
     """Check ``names`` (default: every file the manifest lists) against ``manifest``: presence,
-    size, then the digests (per block for ``xxh3-64-blocks``, per file for ``sha256``).
+    size, then the checksums (per block for ``xxh3-64-blocks``, per file for ``sha256``).
 
     Returns:
         The problems found, in file order (empty: all verified). Never raises for a bad file.
@@ -429,7 +431,7 @@ def save_manifest(
     call on every rank of ``group`` (default: the world) after all ranks finished writing.
 
     Rank ``r`` records ``__r_*.distcp`` (the files it wrote) as its writer hashed them on their
-    way to disk (:mod:`megatron.integrity.write_digest`), so a file that another save replaced
+    way to disk (:mod:`megatron.integrity.checksum.written`), so a file that another save replaced
     since does not verify; files without such a record (written outside megatron-core's writer)
     are hashed from disk (still in the page cache). Rank 0 also covers every other file and any
     file a rank did not see, and writes the manifest atomically; a barrier follows.
@@ -445,8 +447,8 @@ def save_manifest(
     rank, world = _rank_world(group)
     names = _manifest_names(d)
     mine = [n for n in names if _owner(n, world) == rank]
-    written = write_digest.take_written(d, mine)
-    records: Dict[str, FileDigest] = {}
+    written = written_checksums.take_written(d, mine)
+    records: Dict[str, FileChecksum] = {}
     errors: List[FileProblem] = []
     for n in mine:
         if n in written and block_bytes == BLOCK_BYTES:  # the writer hashes BLOCK_BYTES blocks
@@ -457,7 +459,7 @@ def save_manifest(
         except OSError as e:
             errors.append(FileProblem(n, f"cannot be read back after the save ({e})"))
     gathered = _gather((records, errors), group)
-    all_records: Dict[str, FileDigest] = {}
+    all_records: Dict[str, FileChecksum] = {}
     all_errors: List[FileProblem] = []
     for rec, err in gathered:
         all_records.update(rec)
@@ -504,10 +506,10 @@ def verify_checkpoint_dir(
     ``all_gather_object`` gives every rank every finding.
 
     With ``integrity.json``: every listed file is present, of the saved size and (``hash_bytes``)
-    of the saved digests. Without it: every data file ``.metadata`` names exists and is long enough
-    (no data read), and ``require_manifest`` makes the absence itself a problem. A manifest of this
-    fork (``xxh3-64-blocks``) must list every file of the directory: one that leaves a file out
-    (``"files": {}``, a hand edit, files of another save) fails. ``damaged_as_absent`` (the
+    of the saved checksums. Without it: every data file ``.metadata`` names exists and is long
+    enough (no data read), and ``require_manifest`` makes the absence itself a problem. A manifest
+    of this fork (``xxh3-64-blocks``) must list every file of the directory: one that leaves a file
+    out (``"files": {}``, a hand edit, files of another save) fails. ``damaged_as_absent`` (the
     ``--no-verify-integrity`` load): an unreadable manifest counts as absent, with a note.
 
     Returns:

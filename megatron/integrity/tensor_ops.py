@@ -238,7 +238,7 @@ def fused_scan(
     block_bytes: int = SCAN_BLOCK_BYTES,
 ) -> Tuple[Optional[int], Optional[bool], bool]:
     """One pass over a tensor's bytes, block by block (each block stays in cache for all checks):
-    xxh3 checksum (streamed; equal to :func:`megatron.integrity.checksums.tensor_checksum`),
+    xxh3 checksum (streamed; equal to :func:`megatron.integrity.checksum.tensor.tensor_checksum`),
     ``memcmp`` against ``ref`` and a NaN/Inf test (``aminmax`` per block).
 
     Args:

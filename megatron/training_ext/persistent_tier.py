@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from megatron.integrity import manifest as mf
-from megatron.integrity import persistent_dirs, write_digest
+from megatron.integrity import persistent_dirs
+from megatron.integrity.checksum import written as written_checksums
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.overlay import Patch, Patcher, alias_of, wraps_upstream
 from megatron.overlay.component import Component
@@ -582,7 +583,7 @@ _NVRX_FSA = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
 
 
 def _hashing_open(_orig):
-    return write_digest.hashing_open
+    return written_checksums.hashing_open
 
 
 #: Installed in whichever process runs megatron-core's write function (also a spawned worker).
@@ -597,14 +598,14 @@ _OPEN_PATCH = Patch(
 
 def write_with_token(token: str, fn, *args, **kwargs):
     """megatron-core's write function ``fn`` run with its data files hashed as written under
-    ``token`` (:mod:`megatron.integrity.write_digest`), in whatever process runs it: a worker
+    ``token`` (:mod:`megatron.integrity.checksum.written`), in whatever process runs it: a worker
     that did not inherit the patch installs it first."""
     import importlib
 
     fsa = importlib.import_module(_FSA)
-    if getattr(fsa, "open", None) is not write_digest.hashing_open:
+    if getattr(fsa, "open", None) is not written_checksums.hashing_open:
         _OPEN_PATCH.install(COMPONENT.writer_patcher)
-    return write_digest.run_with_token(token, fn, *args, **kwargs)
+    return written_checksums.run_with_token(token, fn, *args, **kwargs)
 
 
 def _wrap_get_save_function_and_args(orig):
@@ -613,11 +614,11 @@ def _wrap_get_save_function_and_args(orig):
         """Upstream's, with the write function hashing what it writes under a fresh token of
         this save (megatron.training_ext.persistent_tier)."""
         if getattr(self, "open_file", None) is builtins.open:  # NVRx's writer: its open hook
-            self.open_file = write_digest.hashing_open
+            self.open_file = written_checksums.hashing_open
         save_fn, preload_fn, save_args = orig(self)
         if save_fn is None:
             return save_fn, preload_fn, save_args
-        token = write_digest.new_save(self.checkpoint_dir)
+        token = written_checksums.new_save(self.checkpoint_dir)
         return functools.partial(write_with_token, token, save_fn), preload_fn, save_args
 
     return get_save_function_and_args
@@ -640,9 +641,9 @@ def _wrap_finish(orig):
                 if mode != "wb" or os.path.basename(str(path)) != ".metadata.tmp":
                     yield raw
                     return
-                f = write_digest.HashingFile(raw, lambda d: None)
+                f = written_checksums.HashingFile(raw, lambda d: None)
                 yield f
-                got["d"] = f.digest_so_far()
+                got["d"] = f.checksum_so_far()
 
         fs.create_stream = create_stream
         try:
@@ -650,7 +651,7 @@ def _wrap_finish(orig):
         finally:
             del fs.create_stream
         if got.get("d") is not None:
-            write_digest.record(self.checkpoint_dir, ".metadata", got["d"])
+            written_checksums.record(self.checkpoint_dir, ".metadata", got["d"])
         return out
 
     return finish

@@ -18,7 +18,7 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import (  # noqa: 
     MCoreTensorAwareStateDict,
 )
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.local_identity import get_identity
 from megatron.integrity.persistent import PersistentCheckpoint
 from megatron.integrity.readahead import ReadAhead

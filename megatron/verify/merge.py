@@ -63,10 +63,10 @@ def _leftover_warnings(report: VerifyReport, layout: LocalLayout) -> None:
 
 def _state_digest(report: VerifyReport, pc: PersistentCheckpoint) -> Dict[str, Any]:
     """Whether the persistent checkpoint carries the resume proof's ``state_digest.json``."""
-    from megatron.integrity import state_digest
+    from megatron.integrity.digest import record as digest_record
 
     try:
-        record = state_digest.read_digest(pc.path)
+        record = digest_record.read_record(pc.path)
     except ValueError as e:
         report.warnings.append(Problem("state_digest", str(e), role="persistent"))
         return {"present": False, "tensors": 0, "iteration": None}

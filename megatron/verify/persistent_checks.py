@@ -13,8 +13,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from megatron.integrity import checksums as ck
 from megatron.integrity import manifest as _manifest
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.persistent import (
     INTEGRITY_FNAME,
     CheckpointInputError,

@@ -265,7 +265,7 @@ class VerifyReport:
             run): ``{"present": bool, "verified": bool | None, "files": int,
             "failed_files": [name, ...], "algorithm": str | None}``.
         state_digest: the persistent checkpoint's ``state_digest.json`` (the resume proof's
-            record, :mod:`megatron.integrity.state_digest`): ``{"present": bool, "tensors": int,
+            record, :mod:`megatron.integrity.digest.record`): ``{"present": bool, "tensors": int,
             "iteration": int | None}``, ``None`` without a persistent checkpoint. Its values are
             recomputed from the files by ``tools/check_state_digest.py``.
         timing: ``wall_s`` (seconds inside :func:`~megatron.verify.verify_checkpoint`,

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.persistent import PersistentCheckpoint
 from megatron.integrity.tensor_ops import (
     count_nonfinite,

@@ -109,7 +109,7 @@ def _scenarios(rank, world, root):
     import torch.distributed as dist
 
     from megatron.fixes.replication import FIX as replication_fix
-    from megatron.integrity import checksums as ck
+    from megatron.integrity.checksum import tensor as ck
     from megatron.training_ext import local_tier as lt
 
     replication_fix.apply()  # as pretrain_gpt.py does: checksummed replicas, retrieval over gloo

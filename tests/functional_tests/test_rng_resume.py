@@ -52,7 +52,7 @@ def saved_digests(iter_dir, world: int) -> dict[int, dict[str, str]]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron.fixes.rng_state_ep import PER_RANK_KEY, stream_digests
+    from megatron.fixes.rng_state_ep import PER_RANK_KEY, stream_checksums
 
     keys = {r: f"{PER_RANK_KEY}/shard_{r}_{world}" for r in range(world)}
     sd = {k: io.BytesIO() for k in keys.values()}
@@ -65,7 +65,7 @@ def saved_digests(iter_dir, world: int) -> dict[int, dict[str, str]]:
             states = torch.load(states, weights_only=False)
         while isinstance(states, list):  # the object's data: [this rank's state dict]
             states = states[0]
-        out[r] = stream_digests(states)
+        out[r] = stream_checksums(states)
     return out
 
 

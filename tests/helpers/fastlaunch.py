@@ -98,9 +98,9 @@ def _preload(cpu: bool) -> None:
 
     # The resume proof's CPU kernel (numba): imported and compiled for every element width once
     # here instead of in every rank at its first checkpoint save or load.
-    from megatron.integrity import state_digest
+    from megatron.integrity.digest import state as digest_state
 
-    state_digest.warm_up()
+    digest_state.warm_up()
 
 
 def _captured_preload(cpu: bool) -> tuple[bytes, bytes]:

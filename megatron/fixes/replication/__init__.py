@@ -40,7 +40,7 @@ from megatron.fixes.replication.strategy import (
     UpstreamClique,
 )
 from megatron.fixes.replication.transport import ReplicaExchange, checksum_algorithm
-from megatron.integrity.checksums import ChecksumMismatchError
+from megatron.integrity.checksum.tensor import ChecksumMismatchError
 from megatron.integrity.tensors import is_quantized
 from megatron.overlay import Fix, Patch, value
 

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.tensors import is_quantized
 from megatron.overlay.collective import RankFailures
 

@@ -17,7 +17,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 
 DEFAULT_BUCKET_BYTES = {"cpu": 4 * 1024 * 1024, "cuda": 16 * 1024 * 1024}
 """Default staging bucket / largest message / largest receive segment (bytes) per communication

@@ -17,15 +17,15 @@ import torch
 from megatron.fixes.replication.convert import Owned, UnsupportedTensorError, prepare_owned
 from megatron.fixes.replication.plan import comm_device, transport_params
 from megatron.fixes.replication.transport import ReplicaExchange, checksum_algorithm
-from megatron.integrity import checksums as ck
-from megatron.integrity.checksums import ChecksumMismatchError
+from megatron.integrity.checksum import tensor as ck
+from megatron.integrity.checksum.tensor import ChecksumMismatchError
 from megatron.overlay.collective import RankFailures
 
 logger = logging.getLogger("megatron.fixes.replication")
 
 
 class GroupChecksumMismatchError(ChecksumMismatchError, RankFailures):
-    """:class:`~megatron.integrity.checksums.ChecksumMismatchError` raised on every rank of a
+    """:class:`~megatron.integrity.checksum.tensor.ChecksumMismatchError` raised on every rank of a
     replication group; ``failures``: global rank (the receiver, or the rank whose file failed) ->
     its messages."""
 

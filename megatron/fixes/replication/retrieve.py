@@ -26,7 +26,7 @@ from megatron.fixes.replication.plan import (
     transport_params,
 )
 from megatron.fixes.replication.replicate import GroupChecksumMismatchError
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.overlay.collective import raise_if_any_failed
 
 logger = logging.getLogger("megatron.fixes.replication")

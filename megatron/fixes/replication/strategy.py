@@ -13,7 +13,7 @@ from typing import Optional
 from megatron.fixes.replication.plan import DEFAULT_PIPELINE_DEPTH
 from megatron.fixes.replication.replicate import fixed_replicate
 from megatron.fixes.replication.retrieve import fixed_retrieve_execute
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 
 try:
     from nvidia_resiliency_ext.checkpointing.local.replication import strategies as _strategies

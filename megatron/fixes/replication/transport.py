@@ -27,7 +27,8 @@ from megatron.fixes.replication.plan import (
     segment_views,
     segments,
 )
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import device as device_checksum
+from megatron.integrity.checksum import tensor as ck
 
 _INFLIGHT_FACTOR = 2
 """Messages in flight at most: ``_INFLIGHT_FACTOR * pipeline_depth`` (staged or not)."""
@@ -48,7 +49,7 @@ _EMPTY_CHECKSUM = ck.checksum_bytes(b"")
 
 
 def _cpu_checksum(ptr: int, nbytes: int) -> int:
-    """:func:`megatron.integrity.checksums.tensor_checksum` of a plain contiguous CPU tensor,
+    """:func:`megatron.integrity.checksum.tensor.tensor_checksum` of a plain contiguous CPU tensor,
     given its ``data_ptr()`` and byte size (no tensor ops: the per-tensor hot path)."""
     if nbytes == 0:
         return _EMPTY_CHECKSUM
@@ -68,7 +69,7 @@ def checksum_algorithm(strategy: Any, device: torch.device) -> str:
     copy) and ``xxh3_64`` elsewhere (the fastest CPU hash measured here)."""
     algorithm = getattr(strategy, "checksum_algorithm", None)
     if algorithm is None:
-        algorithm = ck.device_hash.ALGORITHM if device.type == "cuda" else ck.ALGORITHM
+        algorithm = device_checksum.ALGORITHM if device.type == "cuda" else ck.ALGORITHM
     return algorithm
 
 
@@ -174,7 +175,7 @@ class ReplicaExchange:
         while self.inflight:
             self._finish()
         if self.on_device:
-            self._place_and_read_digests()
+            self._place_and_read_checksums()
         self.staging = None
         self.send_views.clear()
         self.flats = []
@@ -312,9 +313,9 @@ class ReplicaExchange:
         if msg.src != self.me:
             self._landed(msg, buf, staged)
 
-    def _place_and_read_digests(self) -> None:
+    def _place_and_read_checksums(self) -> None:
         """Tensors hashed where they are (``pmix64``): copy the remaining primaries and every
-        replica to ``target`` (``non_blocking``), then read all digests with one device-to-host
+        replica to ``target`` (``non_blocking``), then read all checksums with one device-to-host
         copy; queued on the current stream after the copies, it also waits for them."""
         target = self.target
         for i, s in enumerate(self.stored):  # tensors of 0 bytes
@@ -330,5 +331,5 @@ class ReplicaExchange:
                     segment_views(
                         moved.view(DTYPES[dtypes[g]]), members, entries, offsets, self.results[r]
                     )
-        digests = iter(ck.to_checksums([x for row in self.sums for x in row if x is not None]))
-        self.sums = [[None if x is None else next(digests) for x in row] for row in self.sums]
+        checksums = iter(ck.to_checksums([x for row in self.sums for x in row if x is not None]))
+        self.sums = [[None if x is None else next(checksums) for x in row] for row in self.sums]

@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.tensor_ops import fused_scan
 from megatron.integrity.tensors import is_quantized
 from megatron.training_ext.local_tier.common import (

@@ -21,8 +21,8 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
     LocalCheckpointManager,
 )
 
-from megatron.integrity import checksums as ck
 from megatron.integrity import local_identity, local_layout
+from megatron.integrity.checksum import tensor as ck
 from megatron.training_ext.console import process_rank, rank_line
 from megatron.training_ext.local_tier.checks import finite_flags, state_tensor_keys
 from megatron.training_ext.local_tier.common import (

@@ -9,9 +9,10 @@ values in the wrong place. The digest covers every model tensor and, in model sp
 parameter's global coordinates, whatever the optimizer's flat layout), every optimizer state of it
 (``fp32_param``, ``exp_avg``, ``exp_avg_sq``, ...), plus the scalar state (iteration, consumed
 samples, scheduler, optimizer step) and the per-rank RNG states (compared when the layout is the
-same). The element digest is :mod:`megatron.integrity.state_digest`; the record is
-``state_digest.json`` in the iteration directory and the ``state_digest`` entry of the checkpoint's
-common state (so local checkpoints carry it too). ``--resume-proof error|warn|off``.
+same). The element digest is :mod:`megatron.integrity.digest.state`; the record is
+``state_digest.json`` in the iteration directory (:mod:`megatron.integrity.digest.record`) and the
+``state_digest`` entry of the checkpoint's common state (so local checkpoints carry it too).
+``--resume-proof error|warn|off``.
 
 Modules: :mod:`.digest` (the digest of the live state), :mod:`.exchange` (the ranks' shares
 combined), :mod:`.compare` (saved against loaded), :mod:`.hooks` (the wrappers of
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-from megatron.integrity import state_digest as sd
+from megatron.integrity.digest import record as digest_record
 from megatron.overlay.component import Component
 from megatron.training_ext.resume_proof.compare import SHOWN, Comparison, compare
 from megatron.training_ext.resume_proof.digest import (
@@ -64,15 +65,15 @@ __all__ = [
     "digest_training_state",
     "install",
     "no_torch_function",
-    "read_digest",
+    "read_record",
     "uninstall",
-    "write_digest",
     "write_pending",
+    "write_record",
 ]
 
-DIGEST_FNAME = sd.DIGEST_FNAME
-read_digest = sd.read_digest
-write_digest = sd.write_digest
+DIGEST_FNAME = digest_record.DIGEST_FNAME
+read_record = digest_record.read_record
+write_record = digest_record.write_record
 
 
 @dataclass

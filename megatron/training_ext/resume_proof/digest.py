@@ -3,7 +3,7 @@ model tensor, every optimizer state in model space, the scalar state and the per
 
 Each rank walks the blocks it holds as the main replica (upstream's own ShardedTensors of the
 model; for the distributed optimizer, the DP range of each parameter it owns, placed at the
-parameter's global coordinates), sums them with :mod:`megatron.integrity.state_digest` into a
+parameter's global coordinates), sums them with :mod:`megatron.integrity.digest.state` into a
 :class:`PartialDigest`, and :class:`~megatron.training_ext.resume_proof.exchange.DigestExchange`
 combines the ranks' shares. The digest never goes through the checkpoint writer's layout code, so
 a writer defect shows as a mismatch at load.
@@ -21,13 +21,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.integrity import state_digest as sd
+from megatron.integrity.digest import record as digest_record
+from megatron.integrity.digest import state as sd
 from megatron.training_ext.console import process_rank
 from megatron.training_ext.resume_proof.exchange import DigestExchange, Share
 
 __all__ = ["FORMAT", "PartialDigest", "digest_training_state", "no_torch_function"]
 
-FORMAT = sd.RECORD_FORMAT
+FORMAT = digest_record.RECORD_FORMAT
 _MASK = (1 << 64) - 1
 
 

@@ -18,7 +18,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from megatron.integrity import state_digest as sd
+from megatron.integrity.digest import record as digest_record
 from megatron.overlay import OverlayError, Patch, alias_of, wraps_upstream
 from megatron.training_ext.console import process_rank, rank0_line
 from megatron.training_ext.resume_proof.compare import compare, grouped
@@ -68,7 +68,7 @@ def write_pending(checkpoint_dir: Any) -> None:
     if not _ITER_DIR.search(str(checkpoint_dir).rstrip("/")):
         return  # e.g. modelopt_state/ inside the iteration directory
     if process_rank() == 0:
-        sd.write_digest(checkpoint_dir, st.pending)
+        digest_record.write_record(checkpoint_dir, st.pending)
     st.written = True
 
 
@@ -218,7 +218,7 @@ def _saved_record(record: Optional[dict], name: Any, iteration: int, where: str)
     ``state_digest.json`` (``None``, said on rank 0, when there is none or it is unreadable)."""
     if record is None and name is not None and os.path.isdir(str(name)):
         try:
-            record = sd.read_digest(name)
+            record = digest_record.read_record(name)
         except ValueError as e:
             _say(f"iteration {iteration} ({where}): {e}; not proven")
             record = None

@@ -138,7 +138,7 @@ def _gather_expected(expected: dict) -> list:
 def _check_files_against(root, all_expected, scenario, algorithm="xxh3_64"):
     """Every file (primary and replica, on both holders) holds plain tensors bitwise equal to the
     owner's expected values and a checksum record of ``algorithm`` that verifies."""
-    from megatron.integrity import checksums as ck
+    from megatron.integrity.checksum import tensor as ck
 
     for owner in range(WORLD):
         for holder in range(WORLD):
@@ -407,7 +407,7 @@ def _refused(rank, root):
 
 def _transit_corruption(rank, root, algorithm="xxh3_64"):
     from megatron.fixes import replication
-    from megatron.integrity.checksums import ChecksumMismatchError
+    from megatron.integrity.checksum.tensor import ChecksumMismatchError
 
     real = replication.transport._broadcast
     state = {"done": False}
@@ -504,7 +504,7 @@ def test_fixed_save_replicas_equal_primaries_and_failures_leave_no_file(tmp_path
 
 
 def _recovery(rank, root, damage):
-    from megatron.integrity.checksums import ChecksumMismatchError
+    from megatron.integrity.checksum.tensor import ChecksumMismatchError
 
     tensors, expected = _model(rank)
     tensors["layer.strided"] = torch.arange(24.0).reshape(4, 6)[:, ::3] + rank

@@ -36,8 +36,8 @@ def test_replicate_hashes_on_the_gpu_without_host_copies_for_checksums(nccl_grou
     from torch.profiler import ProfilerActivity, profile
 
     from megatron.fixes import replication as R
-    from megatron.integrity import checksums as ck
-    from megatron.integrity import device_hash as dh
+    from megatron.integrity.checksum import device as dh
+    from megatron.integrity.checksum import tensor as ck
 
     def no_cpu_hash(*a, **k):
         raise AssertionError("a CPU hash ran inside replicate() on CUDA")

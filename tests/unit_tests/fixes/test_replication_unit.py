@@ -1,4 +1,5 @@
-"""Replication fix and megatron.integrity.checksums: single-process tests (no process group)."""
+"""Replication fix and megatron.integrity.checksum.tensor: single-process tests (no process
+group)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import xxhash
 
 from megatron.fixes import FixStatus
 from megatron.fixes import replication as R
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 
 
 def _raw(t: torch.Tensor) -> bytes:

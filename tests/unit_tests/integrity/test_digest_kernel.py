@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.integrity import state_digest as sd
+from megatron.integrity.digest import state as sd
 
 numba = pytest.importorskip("numba")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
 def test_both_forms_equal_the_torch_implementation(dtype, monkeypatch):
-    from megatron.integrity import digest_kernel as dk
+    from megatron.integrity.digest import kernel as dk
 
     t = (torch.randn(37, 23, generator=torch.Generator().manual_seed(11)) * 50).to(dtype)
     gshape = (37, 61)
@@ -34,7 +34,7 @@ def test_both_forms_equal_the_torch_implementation(dtype, monkeypatch):
 
 
 def test_the_form_follows_the_cpu_features(monkeypatch):
-    from megatron.integrity import digest_kernel as dk
+    from megatron.integrity.digest import kernel as dk
 
     monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+avx512dq,+avx512vl")
     assert dk.vector_multiplies() and dk.kernel() is dk.segments_sum_vector

@@ -19,7 +19,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.local_identity import IDENTITY_ATTR, make_identity
 from megatron.verify import verify_checkpoint
 from tests.helpers.dist import run_distributed

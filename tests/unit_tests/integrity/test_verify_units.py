@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.persistent import (
     CheckpointInputError,
     check_chunk_cover,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.integrity import checksums as ck
+from megatron.integrity.checksum import tensor as ck
 from megatron.training_ext import local_tier
 
 

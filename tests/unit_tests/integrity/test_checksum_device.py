@@ -14,8 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from megatron.integrity import checksums as ck
-from megatron.integrity import device_hash as dh
+from megatron.integrity.checksum import device as dh
+from megatron.integrity.checksum import tensor as ck
 
 ALGORITHMS = ("xxh3_64", "pmix64")
 DTYPES = (
@@ -94,7 +94,7 @@ def test_every_dtype_and_non_contiguous(dtype):
 _TRITON_SCRIPT = textwrap.dedent(
     """
     import torch
-    from megatron.integrity import device_hash as dh
+    from megatron.integrity.checksum import device as dh
     assert dh.triton_available()
     cases = []
     g = torch.Generator().manual_seed(0)
@@ -182,7 +182,7 @@ def test_deterministic_across_processes():
     t = _random(torch.float32, (1000,), seed=8)
     here = (ck.tensor_checksum(t, "pmix64"), ck.tensor_checksum(t, "xxh3_64"))
     code = (
-        "import torch; from megatron.integrity import checksums as ck; "
+        "import torch; from megatron.integrity.checksum import tensor as ck; "
         "g = torch.Generator().manual_seed(8); "
         "t = torch.randint(0, 256, (4000,), dtype=torch.uint8, generator=g).view(torch.float32); "
         "print(ck.tensor_checksum(t, 'pmix64'), ck.tensor_checksum(t, 'xxh3_64'))"

@@ -1,13 +1,13 @@
-"""Block digests of what a save *wrote*, taken from the bytes on their way to the file.
+"""Block checksums of what a save *wrote*, taken from the bytes on their way to the file.
 
 A manifest hashed from disk after the save records whatever is on disk then: had a second job
 written the same ``iter_<N>`` in phase, the manifest would faithfully record a mix of two saves
 and verify it. Here the writer's stream for each data file (``__<rank>_<n>.distcp``) and the
 coordinator's ``.metadata`` feed :class:`BlockHasher` as they are written (the same
-``xxh3-64-blocks`` digests as :func:`megatron.integrity.file_digest.hash_file`), so the manifest
-records this save's bytes and a file another save replaced fails verification.
+``xxh3-64-blocks`` checksums as :func:`megatron.integrity.checksum.file.hash_file`), so the
+manifest records this save's bytes and a file another save replaced fails verification.
 
-A data file may be written in another process (megatron-core's async writer): its digest travels
+A data file may be written in another process (megatron-core's async writer): its checksums travel
 back as a small side file named with the save's token (``__0_0.distcp.<token>.written``, removed
 when the manifest is written); a side file of another save has another token and is never read.
 The patches that route megatron-core's writer through here are declared in
@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional
 
 import xxhash
 
-from megatron.integrity.file_digest import BLOCK_BYTES, FileDigest, file_digest
+from megatron.integrity.checksum.file import BLOCK_BYTES, FileChecksum, file_checksum
 
 __all__ = [
     "SIDE_SUFFIX",
@@ -40,7 +40,7 @@ __all__ = [
     "take_written",
 ]
 
-#: Suffix of the side files that carry a data file's digests from the writer process.
+#: Suffix of the side files that carry a data file's checksums from the writer process.
 SIDE_SUFFIX = ".written"
 _SIDE = re.compile(r"\.[0-9a-f]{32}" + re.escape(SIDE_SUFFIX) + "$")
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp$")
@@ -48,12 +48,12 @@ _DATA_FILE = re.compile(r"__\d+_\d+\.distcp$")
 _local = threading.local()
 _TOKEN: Dict[str, Optional[str]] = {"token": None}  # this process's save in progress (writer side)
 _SAVES: Dict[str, str] = {}  # realpath of a checkpoint dir -> the token of this rank's save
-_RECORDED: Dict[str, Dict[str, FileDigest]] = {}  # realpath -> name -> digest (this process)
+_RECORDED: Dict[str, Dict[str, FileChecksum]] = {}  # realpath -> name -> checksums (this process)
 
 
 class BlockHasher:
-    """Incremental ``xxh3-64-blocks``: feed bytes in order with :meth:`update`; :meth:`digest`
-    equals :func:`~megatron.integrity.file_digest.hash_file` of a file holding them."""
+    """Incremental ``xxh3-64-blocks``: feed bytes in order with :meth:`update`; :meth:`checksum`
+    equals :func:`~megatron.integrity.checksum.file.hash_file` of a file holding them."""
 
     def __init__(self, block_bytes: int = BLOCK_BYTES):
         self.block_bytes = block_bytes
@@ -76,21 +76,24 @@ class BlockHasher:
                 self._h.reset()
                 self._fill = 0
 
-    def digest(self) -> FileDigest:
-        """The :class:`FileDigest` of the bytes fed so far."""
+    def checksum(self) -> FileChecksum:
+        """The :class:`~megatron.integrity.checksum.file.FileChecksum` of the bytes fed so far."""
         blocks = self._blocks + ([self._h.hexdigest()] if self._fill else [])
-        return FileDigest(
-            size=self.size, blocks=tuple(blocks), digest=file_digest(self.size, blocks)
+        return FileChecksum(
+            size=self.size, blocks=tuple(blocks), checksum=file_checksum(self.size, blocks)
         )
 
 
 class HashingFile:
     """A binary file opened for writing whose bytes also feed a :class:`BlockHasher`; on close,
-    ``on_close(digest)`` is called, or ``on_close(None)`` when the writes were not sequential
+    ``on_close(checksum)`` is called, or ``on_close(None)`` when the writes were not sequential
     (a ``seek`` or ``truncate``): then the file is hashed from disk as before."""
 
     def __init__(
-        self, raw, on_close: Callable[[Optional[FileDigest]], None], block_bytes: int = BLOCK_BYTES
+        self,
+        raw,
+        on_close: Callable[[Optional[FileChecksum]], None],
+        block_bytes: int = BLOCK_BYTES,
     ):
         self._raw = raw
         self._on_close = on_close
@@ -111,15 +114,15 @@ class HashingFile:
         self._hasher = None
         return self._raw.truncate(*a, **kw)
 
-    def digest_so_far(self) -> Optional[FileDigest]:
-        """The digest of the bytes written so far, or ``None`` after a ``seek``/``truncate``."""
-        return None if self._hasher is None else self._hasher.digest()
+    def checksum_so_far(self) -> Optional[FileChecksum]:
+        """The checksums of the bytes written so far, or ``None`` after a ``seek``/``truncate``."""
+        return None if self._hasher is None else self._hasher.checksum()
 
     def close(self) -> None:
         if self._raw.closed:
             return
         self._raw.close()
-        self._on_close(None if self._hasher is None else self._hasher.digest())
+        self._on_close(None if self._hasher is None else self._hasher.checksum())
 
     def __getattr__(self, name):
         return getattr(self._raw, name)
@@ -140,23 +143,24 @@ def _side_path(data_path: str, token: str) -> str:
 
 
 def is_side_file(name: str) -> bool:
-    """Whether ``name`` is a digest side file (never part of a checkpoint's manifest)."""
+    """Whether ``name`` is a checksum side file (never part of a checkpoint's manifest)."""
     return bool(_SIDE.search(name))
 
 
-def _write_side(data_path: str, token: str, d: Optional[FileDigest]) -> None:
+def _write_side(data_path: str, token: str, d: Optional[FileChecksum]) -> None:
     if d is None:
         return
     tmp = _side_path(data_path, token) + ".tmp"
     with builtins.open(tmp, "w") as f:
-        json.dump({"size": d.size, "blocks": list(d.blocks), "digest": d.digest}, f)
+        # the file checksum's key is "digest" (the side file's format, unchanged)
+        json.dump({"size": d.size, "blocks": list(d.blocks), "digest": d.checksum}, f)
     os.replace(tmp, _side_path(data_path, token))
 
 
 def hashing_open(file, mode="r", *args, **kwargs):
     """``open`` for megatron-core's checkpoint writer: a data file opened ``"wb"`` during a save
-    of this process (:func:`run_with_token`) is a :class:`HashingFile` that leaves its digest in a
-    side file; anything else is the builtin ``open``."""
+    of this process (:func:`run_with_token`) is a :class:`HashingFile` that leaves its checksums in
+    a side file; anything else is the builtin ``open``."""
     raw = builtins.open(file, mode, *args, **kwargs)
     token = _TOKEN["token"]
     if token is None or mode != "wb" or not _DATA_FILE.search(os.fspath(file)):
@@ -185,19 +189,19 @@ def run_with_token(token: str, fn: Callable, *args, **kwargs):
         _TOKEN["token"] = prev
 
 
-def record(checkpoint_dir, name: str, digest: FileDigest) -> None:
-    """Record the digest of ``name`` written by this process into ``checkpoint_dir`` (the
+def record(checkpoint_dir, name: str, checksum: FileChecksum) -> None:
+    """Record the checksums of ``name`` written by this process into ``checkpoint_dir`` (the
     coordinator's ``.metadata``)."""
-    _RECORDED.setdefault(os.path.realpath(os.fspath(checkpoint_dir)), {})[name] = digest
+    _RECORDED.setdefault(os.path.realpath(os.fspath(checkpoint_dir)), {})[name] = checksum
 
 
-def take_written(checkpoint_dir, names) -> Dict[str, FileDigest]:
-    """The digests of ``names`` as this rank's save wrote them (side files of this save's token,
+def take_written(checkpoint_dir, names) -> Dict[str, FileChecksum]:
+    """The checksums of ``names`` as this rank's save wrote them (side files of this save's token,
     then this process's records), removing this save's side files. Files without one are absent
     (the caller hashes them from disk)."""
     root = os.path.realpath(os.fspath(checkpoint_dir))
     token = _SAVES.pop(root, None)
-    out: Dict[str, FileDigest] = dict(_RECORDED.pop(root, {}))
+    out: Dict[str, FileChecksum] = dict(_RECORDED.pop(root, {}))
     if token is None:
         return {n: d for n, d in out.items() if n in names}
     for n in names:
@@ -205,7 +209,9 @@ def take_written(checkpoint_dir, names) -> Dict[str, FileDigest]:
         try:
             with builtins.open(side) as f:
                 r = json.load(f)
-            out[n] = FileDigest(size=int(r["size"]), blocks=tuple(r["blocks"]), digest=r["digest"])
+            out[n] = FileChecksum(
+                size=int(r["size"]), blocks=tuple(r["blocks"]), checksum=r["digest"]
+            )
         except (OSError, ValueError, KeyError):
             continue
         try:

@@ -1,7 +1,7 @@
-"""Digests of what a save wrote (megatron.integrity.write_digest): equal to hashing the file from
-disk when nothing else touched it; on megatron-core's dist_checkpointing (2 ranks), a checkpoint
-whose data files another save replaced between the write and the manifest never verifies; guard:
-a manifest hashed from disk after the save verifies that mix."""
+"""Checksums of what a save wrote (megatron.integrity.checksum.written): equal to hashing the file
+from disk when nothing else touched it; on megatron-core's dist_checkpointing (2 ranks), a
+checkpoint whose data files another save replaced between the write and the manifest never
+verifies; guard: a manifest hashed from disk after the save verifies that mix."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron.integrity import manifest as mf
-from megatron.integrity import write_digest as wd
-from megatron.integrity.file_digest import hash_file
+from megatron.integrity.checksum import written as wd
+from megatron.integrity.checksum.file import hash_file
 from tests.helpers.dist import run_distributed
 
 N = 1 << 16
@@ -104,7 +104,7 @@ def _body(rank: int, world: int, tmp: str) -> None:
         assert not [p.name for p in other.iterdir() if p.name.endswith(wd.SIDE_SUFFIX)]
         man = mf.read_manifest(other)
         for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
-            assert man["files"][name] == hash_file(other / name).digest
+            assert man["files"][name] == hash_file(other / name).checksum
         mf.verify_checkpoint_dir(other)
 
         for async_save in (False, True):

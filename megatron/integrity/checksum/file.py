@@ -1,7 +1,7 @@
-"""Block digests of one file, the unit of the persistent tier's ``integrity.json``: xxh3-64 of
+"""Block checksums of one file, the unit of the persistent tier's ``integrity.json``: xxh3-64 of
 every :data:`BLOCK_BYTES` block (read zero-copy from the page cache through ``mmap``), the file
-size, and one xxh3-128 over both (algorithm ``xxh3-64-blocks`` v1); ``sha256`` for upstream's
-manifests. Used by :mod:`megatron.integrity.manifest`.
+size, and one xxh3-128 over both, the file checksum (algorithm ``xxh3-64-blocks`` v1); ``sha256``
+for upstream's manifests. Used by :mod:`megatron.integrity.manifest`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ __all__ = [
     "ALGORITHM",
     "BLOCK_BYTES",
     "VERSION",
-    "FileDigest",
-    "file_digest",
+    "FileChecksum",
+    "file_checksum",
     "hash_file",
     "sha256_file",
 ]
@@ -27,23 +27,24 @@ __all__ = [
 ALGORITHM = "xxh3-64-blocks"
 VERSION = 1
 BLOCK_BYTES = 4 << 20
-"""Bytes per block digest (4 MiB): the precision of the byte range a problem names; a 1 TB
-checkpoint gets ~250k block digests (~5 MB of JSON)."""
+"""Bytes per block checksum (4 MiB): the precision of the byte range a problem names; a 1 TB
+checkpoint gets ~250k block checksums (~5 MB of JSON)."""
 
 
 @dataclass(frozen=True)
-class FileDigest:
-    """Digests of one file: ``size`` in bytes, one xxh3-64 hex digest per :data:`BLOCK_BYTES`
-    block (``blocks``) and the file digest (xxh3-128 hex of size and blocks)."""
+class FileChecksum:
+    """Checksums of one file: ``size`` in bytes, one xxh3-64 hex checksum per :data:`BLOCK_BYTES`
+    block (``blocks``) and the file checksum (``checksum``: xxh3-128 hex of size and blocks; the
+    value ``integrity.json`` records under ``"files"``)."""
 
     size: int
     blocks: Tuple[str, ...]
-    digest: str
+    checksum: str
 
 
-def file_digest(size: int, blocks: Sequence[str]) -> str:
-    """The file digest of ``xxh3-64-blocks`` v1: xxh3-128 hex of the algorithm, ``size`` (bytes)
-    and the block digests (hex, in order)."""
+def file_checksum(size: int, blocks: Sequence[str]) -> str:
+    """The file checksum of ``xxh3-64-blocks`` v1: xxh3-128 hex of the algorithm, ``size``
+    (bytes) and the block checksums (hex, in order)."""
     h = xxhash.xxh3_128()
     h.update(f"{ALGORITHM}:{VERSION}:{size}:".encode())
     h.update("".join(blocks).encode())
@@ -80,8 +81,8 @@ def _blocks(path: Path, block_bytes: int) -> Iterable[memoryview]:
             m.close()
 
 
-def hash_file(path: Union[str, os.PathLike], block_bytes: int = BLOCK_BYTES) -> FileDigest:
-    """xxh3-64 of every ``block_bytes`` block of ``path`` and the file digest.
+def hash_file(path: Union[str, os.PathLike], block_bytes: int = BLOCK_BYTES) -> FileChecksum:
+    """xxh3-64 of every ``block_bytes`` block of ``path`` and the file checksum.
 
     Raises:
         OSError: the file cannot be opened or read.
@@ -89,11 +90,11 @@ def hash_file(path: Union[str, os.PathLike], block_bytes: int = BLOCK_BYTES) -> 
     path = Path(path)
     blocks = [xxhash.xxh3_64_hexdigest(b) for b in _blocks(path, block_bytes)]
     size = path.stat().st_size
-    return FileDigest(size=size, blocks=tuple(blocks), digest=file_digest(size, blocks))
+    return FileChecksum(size=size, blocks=tuple(blocks), checksum=file_checksum(size, blocks))
 
 
 def sha256_file(path: Path) -> str:
-    """SHA-256 hex digest of ``path`` (upstream's ``integrity.json`` algorithm), read in
+    """SHA-256 hex checksum of ``path`` (upstream's ``integrity.json`` algorithm), read in
     :data:`BLOCK_BYTES` blocks. Raises ``OSError`` when the file cannot be read."""
     import hashlib
 

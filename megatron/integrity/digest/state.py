@@ -4,7 +4,7 @@ tensor is sharded (TP, PP, EP, DP, the distributed optimizer's flat buffers).
 A tensor's digest is a sum over its elements of a term that depends on the element's bits and its
 *global* flat index, so every rank adds up the elements it holds as the main replica, and the
 partial sums of all ranks add up (modulo 2**64) to the same value whatever the topology. Definition
-(version 1), with ``mix`` and the constants of :mod:`megatron.integrity.device_hash`::
+(version 1), with ``mix`` and the constants of :mod:`megatron.integrity.mix64`::
 
     v[g]    = the bits of the element at global row-major index g, zero-extended to 64 bits
     S       = sum over g of mix(v[g] + (g + 1) * K_POS)
@@ -12,27 +12,22 @@ partial sums of all ranks add up (modulo 2**64) to the same value whatever the t
 
 ``mix`` is a bijection, so a change of any single element (any bit flip) changes ``S``; a swap of
 two elements changes it unless ``mix`` collides (probability 2**-64). All arithmetic is int64 torch
-ops that wrap identically on CPU and CUDA. Design notes: ``docs/resume-proof.md``.
+ops that wrap identically on CPU and CUDA. The record a save writes (``state_digest.json``) is
+:mod:`megatron.integrity.digest.record`. Design notes: ``docs/resume-proof.md``.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.integrity.device_hash import K_FIN, K_LEN, K_POS, mix_, mix_int, signed
+from megatron.integrity.mix64 import K_FIN, K_LEN, K_POS, mix_, mix_int, signed
 
 __all__ = [
     "ALGORITHM",
-    "DIGEST_FNAME",
-    "RECORD_FORMAT",
-    "read_digest",
-    "write_digest",
+    "KERNELS",
     "VERSION",
     "block_sum",
     "finish",
@@ -42,9 +37,6 @@ __all__ = [
 ]
 
 ALGORITHM = "pmix64-element"
-#: The record ``pretrain_gpt.py`` writes at every save (``megatron.training_ext.resume_proof``).
-DIGEST_FNAME = "state_digest.json"
-RECORD_FORMAT = "megatron-lm-fixed state digest"
 VERSION = 1
 _MASK = (1 << 64) - 1
 #: Elements per chunk: 1 Mi int64 temporaries (8 MiB each) bound the extra memory.
@@ -52,6 +44,12 @@ CHUNK = 1 << 20
 _WIDTH_MASK = {4: 0xFFFFFFFF, 2: 0xFFFF, 1: 0xFF}
 #: Use the numba kernel on CPU when numba is installed (tests turn it off to compare).
 _USE_NUMBA = True
+#: The implementations :func:`range_sum` chooses from (its ``kernel`` argument), all giving the
+#: same values: ``"auto"`` (on CPU, numba's form for this host when numba is installed, else torch
+#: ops), ``"torch"`` (torch integer ops), ``"scalar"`` and ``"vector"`` (numba's two compiled forms,
+#: :mod:`megatron.integrity.digest.kernel`). The numba forms apply to CPU values; values on another
+#: device are always summed with torch ops.
+KERNELS = ("auto", "torch", "scalar", "vector")
 _VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -134,14 +132,38 @@ def _segments(
 
 
 @functools.lru_cache(maxsize=1)
-def _numba_kernel():
-    """The fused CPU loop (:mod:`megatron.integrity.digest_kernel`), or None without numba (the
-    torch implementation gives the same values)."""
+def _kernel_module():
+    """:mod:`megatron.integrity.digest.kernel`, or None without numba."""
     try:
-        from megatron.integrity.digest_kernel import kernel
+        from megatron.integrity.digest import kernel as numba_kernel
     except ImportError:
         return None
-    return kernel()
+    return numba_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _numba_kernel():
+    """The fused CPU loop's form for this host (:mod:`megatron.integrity.digest.kernel`), or None
+    without numba (the torch implementation gives the same values)."""
+    module = _kernel_module()
+    return None if module is None else module.kernel()
+
+
+def _cpu_kernel(kernel: str):
+    """The numba function that sums CPU values for ``kernel`` (one of :data:`KERNELS`), or None
+    for torch ops.
+
+    Raises:
+        ValueError: ``"scalar"`` or ``"vector"`` without numba.
+    """
+    if kernel == "auto":
+        return _numba_kernel() if _USE_NUMBA else None
+    if kernel == "torch":
+        return None
+    module = _kernel_module()
+    if module is None:
+        raise ValueError(f"state digest: kernel {kernel!r} needs numba")
+    return module.segments_sum if kernel == "scalar" else module.segments_sum_vector
 
 
 _UNSIGNED = {8: "uint64", 4: "uint32", 2: "uint16", 1: "uint8"}
@@ -209,6 +231,7 @@ def range_sum(
     global_offset: Sequence[int],
     global_shape: Sequence[int],
     values: Optional[torch.Tensor] = None,
+    kernel: str = "auto",
 ) -> int:
     """Partial digest sum of elements ``start:stop`` (row-major, flat) of a local block.
 
@@ -222,14 +245,20 @@ def range_sum(
         values: a 1-D tensor of ``stop - start`` elements to digest instead of
             ``local.reshape(-1)[start:stop]`` (the distributed optimizer keeps a flat range of a
             parameter's state).
+        kernel: the implementation, one of :data:`KERNELS` (all give the same value; a benchmark
+            compares them).
 
     Returns:
         int in ``[0, 2**64)``: add the partial sums of every block of the tensor (modulo 2**64),
         then :func:`finish`.
 
     Raises:
-        ValueError: shapes or ranges that do not fit in ``global_shape``.
+        ValueError: shapes or ranges that do not fit in ``global_shape``; ``kernel`` unknown, or
+            a numba form asked for CPU values without numba.
+        TypeError: a dtype that is not 1, 2, 4 or 8 bytes wide, or complex.
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"state digest: unknown kernel {kernel!r} ({', '.join(KERNELS)})")
     local_shape, global_offset, global_shape = (
         tuple(local_shape),
         tuple(global_offset),
@@ -237,14 +266,14 @@ def range_sum(
     )
     _check(start, stop, local_shape, global_offset, global_shape)
     flat = _range_values(local, start, stop, values)
-    kernel = _numba_kernel() if flat.device.type == "cpu" and _USE_NUMBA else None
-    if kernel is not None and flat.numel():
+    fused = _cpu_kernel(kernel) if flat.device.type == "cpu" else None
+    if fused is not None and flat.numel():
         if flat.is_complex() or flat.element_size() not in _VIEW:
             raise TypeError(f"state digest: dtype {flat.dtype} is not supported")
         size = flat.element_size()
         vals = flat.view(_VIEW[size]).numpy().view(_UNSIGNED[size])
         starts, lens = _cached_segments(start, stop, local_shape, global_offset, global_shape)
-        return int(kernel(vals, starts, lens)) & _MASK
+        return int(fused(vals, starts, lens)) & _MASK
     gstr = _strides(global_shape)
     base = sum(o * s for o, s in zip(global_offset, gstr))
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
@@ -329,6 +358,7 @@ def block_sum(
     local: torch.Tensor,
     global_offset: Sequence[int] = (),
     global_shape: Optional[Sequence[int]] = None,
+    kernel: str = "auto",
 ) -> int:
     """Partial digest sum of a whole local block (see :func:`range_sum`).
 
@@ -338,12 +368,13 @@ def block_sum(
         global_shape: the global tensor's shape (default: ``local``'s, a tensor held whole).
             Leading dims of ``global_shape`` beyond ``local.dim()`` are prepended axes of
             extent 1 (stacked layers).
+        kernel: the implementation, one of :data:`KERNELS` (see :func:`range_sum`).
     """
     gshape = tuple(local.shape) if global_shape is None else tuple(global_shape)
     lshape = (1,) * (len(gshape) - local.dim()) + tuple(local.shape)
     offset = tuple(global_offset) if global_offset else (0,) * len(gshape)
     n = local.numel()
-    return range_sum(local, 0, n, lshape, offset, gshape)
+    return range_sum(local, 0, n, lshape, offset, gshape, kernel=kernel)
 
 
 def finish(partial_sums: Iterable[int], global_numel: int) -> int:
@@ -361,30 +392,3 @@ def finish(partial_sums: Iterable[int], global_numel: int) -> int:
 def tensor_digest(t: torch.Tensor) -> int:
     """Digest of a tensor held whole (one process, e.g. read from a checkpoint's files)."""
     return finish([block_sum(t)], t.numel())
-
-
-def read_digest(checkpoint_dir: Any) -> Optional[dict]:
-    """``state_digest.json`` of a checkpoint directory, or None when it has none.
-
-    Raises:
-        ValueError: the file exists but is not a state digest record.
-    """
-    path = Path(str(checkpoint_dir)) / DIGEST_FNAME
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable state digest ({e})") from e
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        raise ValueError(f"{path}: not a state digest record")
-    return record
-
-
-def write_digest(checkpoint_dir: Any, record: dict) -> Path:
-    """Write ``record`` to ``checkpoint_dir/state_digest.json`` atomically (temporary + rename)."""
-    path = Path(str(checkpoint_dir)) / DIGEST_FNAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path

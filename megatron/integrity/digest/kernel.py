@@ -1,7 +1,7 @@
 """The state digest's CPU kernel (numba): the sum of ``mix(bits + (g + 1) * K_POS)`` over runs of
 consecutive global indices, in one fused loop (about 30x the torch implementation on one core).
-Imported only when numba is installed; :mod:`megatron.integrity.state_digest` falls back to torch
-ops, which give the same values.
+Imported only when numba is installed; :mod:`megatron.integrity.digest.state` falls back to
+torch ops, which give the same values (its ``kernel`` argument chooses among them).
 
 Two compiled forms of the same sum (:func:`kernel` picks one for the host): on CPUs with 64-bit
 vector multiplies (AVX-512DQ) LLVM vectorizes the loop over each run's slice,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from megatron.integrity.device_hash import K_POS, M1, M2
+from megatron.integrity.mix64 import K_POS, M1, M2
 
 __all__ = ["kernel", "segments_sum", "segments_sum_vector", "vector_multiplies"]
 

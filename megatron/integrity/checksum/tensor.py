@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron.integrity import device_hash
+from megatron.integrity.checksum import device as device_checksum
 from megatron.integrity.tensors import is_quantized
 from megatron.overlay.errors import OverlayError
 
@@ -54,7 +54,7 @@ __all__ = [
 
 ALGORITHM = "xxh3_64"
 """The default (CPU) checksum algorithm; version-1 records name only this one."""
-ALGORITHMS = (ALGORITHM, device_hash.ALGORITHM)
+ALGORITHMS = (ALGORITHM, device_checksum.ALGORITHM)
 """Every algorithm a record may name (version 2)."""
 
 FORMAT_NAME = "megatron.integrity.tensor_checksums"
@@ -181,10 +181,10 @@ def tensor_checksum(t: torch.Tensor, algorithm: str = ALGORITHM) -> int:
     """
     _check_plain(t, "tensor_checksum")
     t = t.detach()
-    if algorithm == device_hash.ALGORITHM:
+    if algorithm == device_checksum.ALGORITHM:
         if t.is_cpu and torch.cuda.is_available():
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
-        return device_hash.pmix64(t)
+        return device_checksum.pmix64(t)
     _check_algorithm(algorithm)
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -213,7 +213,7 @@ def tensor_checksum_on_device(t: torch.Tensor) -> torch.Tensor:
         TypeError, ValueError: as :func:`tensor_checksum`.
     """
     _check_plain(t, "tensor_checksum_on_device")
-    return device_hash.pmix64_tensor(t)
+    return device_checksum.pmix64_tensor(t)
 
 
 def to_checksums(values: Sequence[torch.Tensor]) -> list[int]:

@@ -2,7 +2,8 @@
 
 Replication over NCCL hashes each replica on the GPU (no host copy); the record it writes is then
 verified on a CPU at load or by the verifier. Definition (version 1), over a tensor's logical bytes
-``b`` of length ``n`` (as in :mod:`megatron.integrity.checksums`), all arithmetic modulo 2**64::
+``b`` of length ``n`` (as in :mod:`megatron.integrity.checksum.tensor`), all arithmetic modulo
+2**64 (``mix`` and the constants: :mod:`megatron.integrity.mix64`)::
 
     mix(z)  = z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
               z ^ (z >> 31)
@@ -23,58 +24,27 @@ from typing import Optional
 
 import torch
 
+from megatron.integrity.mix64 import K_FIN, K_LEN, K_POS, mix_, mix_int, signed
+
 __all__ = [
     "ALGORITHM",
     "BLOCK_WORDS",
     "CHUNK_WORDS",
-    "K_FIN",
-    "K_LEN",
-    "K_POS",
-    "M1",
-    "M2",
     "VERSION",
-    "mix_",
-    "mix_int",
     "pmix64",
     "pmix64_reference",
     "pmix64_tensor",
-    "signed",
     "triton_available",
 ]
 
 ALGORITHM = "pmix64"
 VERSION = 1
 _MASK = (1 << 64) - 1
-K_POS = 0x9E3779B97F4A7C15
-M1 = 0xBF58476D1CE4E5B9
-M2 = 0x94D049BB133111EB
-K_LEN = 0xD6E8FEB86659FD93
-K_FIN = 0x2545F4914F6CDD1D
 #: Words per chunk of the torch implementation: 256 KiB of int64, so the ~12 passes of one chunk
 #: stay in a core's L2 cache on the CPU.
 CHUNK_WORDS = 1 << 15
 #: Words per Triton program (GPU block).
 BLOCK_WORDS = 4096
-
-
-def signed(v: int) -> int:
-    """``v`` modulo 2**64 as the int64 value with the same bits (for torch int64 arithmetic)."""
-    v &= _MASK
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def mix_int(z: int) -> int:
-    """The bijective 64-bit ``mix`` of one Python int (``z`` taken modulo 2**64).
-
-    Returns:
-        int in ``[0, 2**64)``.
-    """
-    z &= _MASK
-    z ^= z >> 30
-    z = (z * M1) & _MASK
-    z ^= z >> 27
-    z = (z * M2) & _MASK
-    return z ^ (z >> 31)
 
 
 def pmix64_reference(data: bytes) -> int:
@@ -90,25 +60,6 @@ def pmix64_reference(data: bytes) -> int:
         w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
         s = (s + mix_int(w + (i + 1) * K_POS)) & _MASK
     return mix_int(s ^ ((n * K_LEN + K_FIN) & _MASK))
-
-
-def _shr(z: torch.Tensor, s: int, tmp: torch.Tensor) -> torch.Tensor:
-    """Logical right shift of int64 ``z`` into ``tmp``.
-
-    (Torch shifts signed values arithmetically.)
-    """
-    torch.bitwise_right_shift(z, s, out=tmp)
-    return tmp.bitwise_and_((1 << (64 - s)) - 1)
-
-
-def mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """:func:`mix_int` of every element of int64 ``z``, in place (``tmp``: scratch of ``z``'s shape,
-    dtype and device); returns ``z``."""
-    z.bitwise_xor_(_shr(z, 30, tmp))
-    z.mul_(signed(M1))
-    z.bitwise_xor_(_shr(z, 27, tmp))
-    z.mul_(signed(M2))
-    return z.bitwise_xor_(_shr(z, 31, tmp))
 
 
 @functools.lru_cache(maxsize=4)
@@ -211,8 +162,8 @@ def pmix64_tensor(t: torch.Tensor, backend: Optional[str] = None) -> torch.Tenso
             available, else torch.
 
     Returns:
-        0-d ``torch.int64`` tensor on ``t.device`` holding the digest's two's-complement bits
-        (``int(x) % 2**64`` is the digest); nothing is synchronised.
+        0-d ``torch.int64`` tensor on ``t.device`` holding the checksum's two's-complement bits
+        (``int(x) % 2**64`` is the checksum); nothing is synchronised.
 
     Raises:
         ValueError: ``backend`` unknown or ``"triton"`` unavailable.
@@ -241,5 +192,5 @@ def pmix64_tensor(t: torch.Tensor, backend: Optional[str] = None) -> torch.Tenso
 
 def pmix64(t: torch.Tensor, backend: Optional[str] = None) -> int:
     """``pmix64`` of a tensor's logical bytes as an int in ``[0, 2**64)`` (synchronises once to
-    read the 8-byte digest; see :func:`pmix64_tensor`)."""
+    read the 8-byte checksum; see :func:`pmix64_tensor`)."""
     return int(pmix64_tensor(t, backend)) & _MASK

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from megatron.integrity import state_digest as sd
-from megatron.integrity.device_hash import K_POS, mix_int
+from megatron.integrity.digest import state as sd
+from megatron.integrity.mix64 import K_POS, mix_int
 from megatron.training_ext.resume_proof import compare
 
 _MASK = (1 << 64) - 1
