@@ -198,7 +198,7 @@ def _scan(
 
 
 def header_fingerprint(state_dict: Any) -> Optional[str]:
-    """Digest of a file's stored checksum record (key, offset, dtype, shape, checksum per tensor):
+    """Hash of a file's stored checksum record (key, offset, dtype, shape, checksum per tensor):
     equal for copies of one shard; ``None`` without a record."""
     try:
         record = ck.get_record(state_dict)

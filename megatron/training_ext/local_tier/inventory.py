@@ -46,7 +46,7 @@ class LocalCopy:
         holder: the rank that read it (and would read or send it).
         problem: why it cannot be used; ``None``: usable so far.
         run_id, token: its identity record's run id and save token.
-        fingerprint: digest of its stored checksum record (:func:`.checks.header_fingerprint`).
+        fingerprint: hash of its stored checksum record (:func:`.checks.header_fingerprint`).
         foreign: why its run id differs from the holder's (which settings), if it does.
         bytes_verified: checksums and finiteness were checked against its bytes.
         path: where the holder reads it.

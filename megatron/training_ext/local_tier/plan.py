@@ -186,7 +186,7 @@ def save_token_vote(tokens: Sequence[Optional[str]]) -> Tuple[Optional[str], Opt
 
 
 def reference_fingerprint(copies: Sequence[LocalCopy], owner: int) -> Tuple[Optional[str], bool]:
-    """Every copy of ``owner``'s shard must have the fingerprint (digest of the stored checksums)
+    """Every copy of ``owner``'s shard must have the fingerprint (hash of the stored checksums)
     of its primary (the copy in ``owner``'s directory) when that has one, else the most common
     one. Returns (that fingerprint or ``None`` when no copy has one, whether it is the
     primary's)."""
