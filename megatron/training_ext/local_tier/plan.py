@@ -287,7 +287,11 @@ def decide(inventories: Sequence[Inventory], facts: Sequence[Fact] = ()) -> Plan
         found = _judge_iteration(it, same, len(inventories), known, first.can_repair)
         if not isinstance(found, str):
             return found
-        other_dp = [c for c in pool if c.iteration == it and c.saved_topology is not None]
+        other_dp = [  # of another DP size, and this run's: another run's is never resharded
+            c
+            for c in pool
+            if c.iteration == it and c.saved_topology is not None and c.run_id == first.identity[0]
+        ]
         if other_dp and it == persistent:  # e.g. a restart killed after the reshard wrote it
             old_dp = other_dp[0].saved_topology.get("data_parallel_size")
             return PersistentResharded(

@@ -296,6 +296,22 @@ def test_a_checkpoint_of_another_dp_size_is_resharded():
     )
 
 
+# row 17: only this run's copies
+def test_a_checkpoint_of_another_dp_size_written_by_another_run_is_not_resharded():
+    """Guard: the run-id check comes before the DP check; the copies of another run (at another
+    DP size) must not become a reshard of someone else's state."""
+    invs = [
+        _inventory(
+            r, [_old(12, o, r, run_id="run-b", foreign="written by run-b") for o in (r, r + 2)]
+        )
+        for r in (0, 1)
+    ]
+    assert plan.decide(invs) == plan.Fallback(
+        "local checkpoint at iteration 12 failed verification: every copy on every rank was "
+        f"{OTHER_TOPO}"
+    )
+
+
 # row 18
 def test_a_shard_without_a_copy_cannot_be_resharded():
     assert plan.decide(_shrunk(drop=(3,), persistent=10)) == plan.Fallback(
