@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 
-from megatron.overlay.component import declared_components
+from megatron.training_ext.components import declared_components
 
 logger = logging.getLogger("megatron.training_ext")
 
@@ -391,7 +391,7 @@ def install_training_hooks(args: argparse.Namespace) -> None:
     Raises:
         UnsupportedUpstreamError: a component's patch point changed upstream, naming it.
         TypeError, ValueError: a component's declaration is wrong (see
-            :func:`megatron.overlay.component.declared_components`).
+            :func:`megatron.training_ext.components.declared_components`).
     """
     for component in declared_components():
         if component.installed_at == "training":

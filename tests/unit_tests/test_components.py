@@ -151,3 +151,24 @@ def test_cli_json_lists_every_component_from_its_declaration(fixes_cli):
     text = fixes_cli["text"].stdout
     assert f"{len(declared)} components above the fixes" in text
     assert "cpu_mla: " in text and "  installed at: model: " in text
+
+
+def test_the_entry_points_declare_exactly_the_components_the_training_path_installs():
+    """The listing and the disable switch find components through entry points (they live below
+    training_ext); the training path installs megatron.training_ext.components' list. Both the
+    installed metadata and pyproject.toml name the same components, by their COMPONENT."""
+    import tomllib
+    from importlib.metadata import entry_points
+    from pathlib import Path
+
+    from megatron.overlay.component import COMPONENTS_GROUP, declared_names
+    from megatron.training_ext.components import COMPONENT_MODULES, declared_components
+
+    names = sorted(c.name for c in declared_components())
+    assert declared_names() == names
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"][COMPONENTS_GROUP]
+    assert sorted(declared) == names
+    assert sorted(declared.values()) == sorted(f"{m}:COMPONENT" for m in COMPONENT_MODULES)
+    for ep in entry_points(group=COMPONENTS_GROUP):
+        assert ep.load() is next(c for c in declared_components() if c.name == ep.name)
