@@ -191,7 +191,7 @@ def _add_local_tier_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_proof_flags(group: argparse._ArgumentGroup) -> None:
-    """Checksums of the persistent tier (megatron/training_ext/persistent_tier.py) and the resume
+    """Checksums of the persistent tier (megatron/training_ext/persistent_tier/) and the resume
     proof (megatron/training_ext/resume_proof.py)."""
     group.add_argument(
         "--no-verify-integrity",
@@ -218,7 +218,7 @@ def _add_proof_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_save_dir_flags(group: argparse._ArgumentGroup) -> None:
     """One job per ``--save`` (megatron/training_ext/save_hold.py) and ``--overwrite-save``
-    (megatron/training_ext/persistent_tier.py)."""
+    (megatron/training_ext/persistent_tier/start.py)."""
     group.add_argument(
         "--take-save-hold",
         action="store_true",

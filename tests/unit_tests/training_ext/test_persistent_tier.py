@@ -15,6 +15,7 @@ import pytest
 from megatron.integrity.manifest import CheckpointIntegrityError, FileProblem
 from megatron.training_ext import data_checks
 from megatron.training_ext import persistent_tier as pt
+from megatron.training_ext.persistent_tier import fallback as pt_fallback
 from tests.helpers.dist import run_distributed
 
 
@@ -90,7 +91,7 @@ def test_fallback_to_previous_complete_checkpoint(tmp_path, capsys):
     (root / "iter_0000012").mkdir()  # an interrupted save: no metadata.json
     calls: list = []
     state, load = _failing_load(root, {15, 10}, calls)
-    wrapped = pt._wrap_load_checkpoint(load, lambda: state)
+    wrapped = pt_fallback._wrap_load_checkpoint(load, lambda: state)
     assert wrapped() == (5, 0)
     assert calls == [15, 10, 5] and state.ckpt_step is None  # 12 skipped, the user's value restored
     out = capsys.readouterr().out
@@ -107,12 +108,12 @@ def test_no_fallback_when_none_is_left_or_the_user_chose_the_step(tmp_path):
         CheckpointIntegrityError,
         match="no earlier complete checkpoint in .*also failed: iter_0000010",
     ):
-        pt._wrap_load_checkpoint(load, lambda: state)()
+        pt_fallback._wrap_load_checkpoint(load, lambda: state)()
     calls: list = []
     state, load = _failing_load(root, {10}, calls)
     state.ckpt_step = 10
     with pytest.raises(CheckpointIntegrityError, match="--ckpt-step 10 asks for this one"):
-        pt._wrap_load_checkpoint(load, lambda: state)()
+        pt_fallback._wrap_load_checkpoint(load, lambda: state)()
     assert calls == [10] and state.ckpt_step == 10
 
 

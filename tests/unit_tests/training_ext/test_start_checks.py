@@ -13,6 +13,7 @@ import pytest
 
 from megatron.training_ext import persistent_tier as pt
 from megatron.training_ext import start_checks as sc
+from megatron.training_ext.persistent_tier import resume as pt_resume
 
 
 def _complete(root, *iterations):
@@ -169,7 +170,7 @@ def test_damaged_tracker_stops_with_code_1_not_0(tmp_path):
     from megatron.training import checkpointing
 
     _tracker(tmp_path, "abc")
-    wrapped = pt._wrap_read_metadata(checkpointing.read_metadata)
+    wrapped = pt_resume._wrap_read_metadata(checkpointing.read_metadata)
     with pytest.raises(SystemExit) as e:
         wrapped(str(tmp_path / "latest_checkpointed_iteration.txt"))
     assert isinstance(e.value.code, str) and "holds 'abc', not an iteration number" in e.value.code
