@@ -192,7 +192,7 @@ def _add_local_tier_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_proof_flags(group: argparse._ArgumentGroup) -> None:
     """Checksums of the persistent tier (megatron/training_ext/persistent_tier/) and the resume
-    proof (megatron/training_ext/resume_proof.py)."""
+    proof (megatron/training_ext/resume_proof/)."""
     group.add_argument(
         "--no-verify-integrity",
         dest="persistent_integrity",
