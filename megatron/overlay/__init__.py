@@ -4,9 +4,12 @@
 * :mod:`.patch`: a patch as data (``Patch``: dotted target, module-level factory, reason).
 * :mod:`.fix`: the unit of change (``Fix``, ``FixGroup``): references, proven versions,
   behavioural probe, patches, and the verdict on any upstream.
+* :mod:`.component`: what the run's arguments switch on (``Component``: declared patches, state
+  per install, idempotent lifecycle; the disable switch).
 * :mod:`.pins`: the upstream releases written against and every upstream proven on.
 * :mod:`.errors`: the exception root (``OverlayError``).
-* :mod:`.collective`: all ranks agree on failures before any raises (``RankFailures``).
+* :mod:`.collective`: all ranks agree on failures before any raises (``RankFailures``,
+  ``summarize``).
 
 Layering (``docs/layout.md``): overlay < integrity < fixes < cpu < training_ext < entrypoints.
 """
