@@ -18,4 +18,5 @@ class UnsupportedUpstreamError(OverlayError, RuntimeError):
     """A fix cannot tell whether the installed upstream needs it, or needs it but finds its patch
     points changed: patching blindly could corrupt checkpoints, and standing aside could leave a
     defect in place. The message names the fix, the installed version, the proven versions and
-    what to check."""
+    what to check. Raised too by :meth:`megatron.overlay.component.Component.install` when a
+    component's patch point changed (the message names the component and the point)."""
