@@ -82,6 +82,8 @@ def apply(strict: bool = True) -> dict[str, FixStatus]:
         UnsupportedUpstreamError: with ``strict``, after every fix was decided, when any was
             refused (its probe cannot tell on an unproven upstream, or the defect is there but its
             patch points changed); the message names each refused fix.
+        ValueError: ``$MEGATRON_FIXES_DISABLE`` names something that is neither a fix nor a
+            declared component (raised before anything is installed; the message lists both).
     """
     import torch.distributed as dist
 
@@ -124,6 +126,14 @@ def _log_summary(before: dict) -> None:
 
 def _apply_all() -> tuple[dict[str, FixStatus], list[str]]:
     off = disabled()
+    known = {f.name for f in fixes()}
+    components = set(declared_names())
+    unknown = off - known - components
+    if unknown:  # before anything is installed: a typo must not run with a fix left out
+        raise ValueError(
+            f"${DISABLE_ENV} names unknown fixes or components {sorted(unknown)}; "
+            f"known: {sorted(known)}; components: {sorted(components)}"
+        )
     statuses, refused = {}, []
     for fix in fixes():
         if fix.name in off:
@@ -137,14 +147,6 @@ def _apply_all() -> tuple[dict[str, FixStatus], list[str]]:
         except UnsupportedUpstreamError as exc:
             statuses[fix.name] = fix.status
             refused.append(str(exc))
-    known = {f.name for f in fixes()}
-    components = set(declared_names())
-    unknown = off - known - components
-    if unknown:
-        raise ValueError(
-            f"${DISABLE_ENV} names unknown fixes {sorted(unknown)}; "
-            f"known: {sorted(known)}; components: {sorted(components)}"
-        )
     return statuses, refused
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 from megatron.overlay.errors import UnsupportedUpstreamError
@@ -85,11 +85,6 @@ def declared_components() -> list["Component"]:
         obj = ep.load()
         if not isinstance(obj, Component):
             raise TypeError(f"entry point {COMPONENTS_GROUP}:{ep.name} is not a Component: {obj!r}")
-        if obj.installed_at not in INSTALLED_AT:
-            raise ValueError(
-                f"component {obj.name}: installed_at {obj.installed_at!r} is not one of "
-                f"{sorted(INSTALLED_AT)}"
-            )
         found[obj.name] = obj
     return install_order(list(found.values()))
 
@@ -98,10 +93,17 @@ def install_order(components: list["Component"]) -> list["Component"]:
     """``components`` sorted so that each comes after those it names in ``after`` (ties by name).
 
     Raises:
-        ValueError: ``after`` names a component not in ``components``, or a cycle.
+        ValueError: ``after`` names a component not in ``components``, or a cycle; or an
+            ``installed_at`` is not a key of :data:`INSTALLED_AT` (a typo would leave the
+            component never installed).
     """
     by_name = {c.name: c for c in components}
     for c in components:
+        if c.installed_at not in INSTALLED_AT:
+            raise ValueError(
+                f"component {c.name}: installed_at {c.installed_at!r} is not one of "
+                f"{sorted(INSTALLED_AT)}"
+            )
         unknown = [n for n in c.after if n not in by_name]
         if unknown:
             raise ValueError(f"component {c.name} is declared after unknown {unknown}")
@@ -190,6 +192,7 @@ class Component(Generic[S]):
                     DISABLE_ENV,
                 )
                 self._warned_disabled = True
+            self.uninstall()  # named after an earlier install in this process: upstream's again
             return None
         if not self.enabled(args):
             self.uninstall()
@@ -197,7 +200,8 @@ class Component(Generic[S]):
         fresh = self.new_state(args)
         if self.state is not None:
             if is_dataclass(self.state) and type(fresh) is type(self.state):
-                vars(self.state).update(vars(fresh))
+                for f in fields(fresh):  # also a slotted or frozen dataclass
+                    object.__setattr__(self.state, f.name, getattr(fresh, f.name))
             else:
                 self.state = fresh
             return self.state

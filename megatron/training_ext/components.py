@@ -33,7 +33,8 @@ def declared_components() -> list[Component]:
 
     Raises:
         TypeError: a module's ``COMPONENT`` is not a :class:`Component`.
-        ValueError: ``after`` names an unknown component, or a cycle.
+        ValueError: ``after`` names an unknown component, or a cycle, or an ``installed_at``
+            is unknown.
     """
     found = []
     for name in COMPONENT_MODULES:

@@ -131,3 +131,36 @@ def test_install_order_follows_after_and_refuses_unknown_names_and_cycles():
         install_order([comp("x", ("nope",))])
     with pytest.raises(ValueError, match="cycle"):
         install_order([comp("p", ("q",)), comp("q", ("p",))])
+    typo = comp("t")
+    typo.installed_at = "trainig"
+    with pytest.raises(ValueError, match="installed_at 'trainig' is not one of"):
+        install_order([typo])
+
+
+def test_the_disable_switch_set_after_an_install_uninstalls_it(counter, upstream, monkeypatch):
+    counter.install(types.SimpleNamespace(mode="a"))
+    monkeypatch.setenv(DISABLE_ENV, "counter")
+    assert counter.install(types.SimpleNamespace(mode="a")) is None
+    assert upstream.step is _upstream_step and not counter.installed
+
+
+@dataclass(slots=True, frozen=True)
+class Slotted:
+    mode: str
+
+
+class SlottedCounter(Counter):
+    name = "slotted"
+
+    def new_state(self, args) -> Slotted:  # type: ignore[override]
+        return Slotted(mode=args.mode)
+
+
+def test_a_reinstall_refreshes_a_slotted_frozen_state_in_the_same_object(upstream):
+    c = SlottedCounter()
+    try:
+        first = c.install(types.SimpleNamespace(mode="a"))
+        again = c.install(types.SimpleNamespace(mode="b"))
+        assert again is first and first.mode == "b"
+    finally:
+        c.uninstall()

@@ -108,7 +108,7 @@ def test_an_unknown_name_in_the_disable_switch_lists_the_fixes_and_components(mo
     with pytest.raises(ValueError) as e:
         fixes.apply()
     message = str(e.value)
-    assert "names unknown fixes ['no_such_part']" in message
+    assert "names unknown fixes or components ['no_such_part']" in message
     assert f"known: {sorted(f.name for f in fixes.fixes())}" in message
     assert f"components: {declared_names()}" in message
     assert {"cpu", "cpu_mla", "persistent_tier", "loss_log"} <= set(declared_names())

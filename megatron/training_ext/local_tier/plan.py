@@ -224,7 +224,8 @@ def _markers_reason(inventories: Sequence[Inventory]) -> Optional[str]:
 
 def _agreed_pool(inventories: Sequence[Inventory]) -> List[LocalCopy]:
     """Every rank's copies; a usable one written by another run than rank 0's (the agreed run
-    id) is not usable."""
+    id) is not usable. A copy of another run that has other problems too (another topology)
+    names the other run first: that is what the user changed."""
     agreed = inventories[0].identity[0]
     out = []
     for inv in inventories:
@@ -238,6 +239,8 @@ def _agreed_pool(inventories: Sequence[Inventory]) -> List[LocalCopy]:
                         f"{RUN_ID_FLAG} sets the id explicitly)"
                     ),
                 )
+            elif c.foreign is not None and c.run_id != agreed:
+                c = replace(c, problem=f"{c.foreign}; {c.problem}")
             out.append(c)
     return out
 

@@ -316,7 +316,12 @@ _WHY_LOAD = "every load is proven equal to the saved state before training"
 
 #: What the component replaces, in order.
 PATCHES = (
-    Patch(f"{_CKPT}.save_checkpoint", _wrap_save_checkpoint, _WHY_SAVE),
+    Patch(
+        f"{_CKPT}.save_checkpoint",
+        _wrap_save_checkpoint,
+        _WHY_SAVE,
+        params=("iteration", "model", "optimizer", "opt_param_scheduler"),
+    ),
     Patch(
         "megatron.training.training.save_checkpoint",
         alias_of(f"{_CKPT}.save_checkpoint", only_if_same=True),
@@ -332,7 +337,12 @@ PATCHES = (
         _wrap_load_base_checkpoint,
         "remembers the digest and the tier of what a load read",
     ),
-    Patch(f"{_CKPT}.load_checkpoint", _wrap_load_checkpoint, _WHY_LOAD),
+    Patch(
+        f"{_CKPT}.load_checkpoint",
+        _wrap_load_checkpoint,
+        _WHY_LOAD,
+        params=("ddp_model", "optimizer", "opt_param_scheduler", "skip_load_to_model_and_opt"),
+    ),
     Patch(
         "megatron.training.training.load_checkpoint",
         alias_of(f"{_CKPT}.load_checkpoint", only_if_same=True, otherwise=_wrap_load_checkpoint),

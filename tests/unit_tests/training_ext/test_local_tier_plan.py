@@ -308,7 +308,7 @@ def test_a_checkpoint_of_another_dp_size_written_by_another_run_is_not_resharded
     ]
     assert plan.decide(invs) == plan.Fallback(
         "local checkpoint at iteration 12 failed verification: every copy on every rank was "
-        f"{OTHER_TOPO}"
+        f"written by run-b; {OTHER_TOPO}"
     )
 
 
