@@ -64,14 +64,15 @@ def summarize(gathered: list, limit: int = 3, width: int = 300) -> str:
             by_text.setdefault(str(m), []).append(r)
     items = list(by_text.items())
     shown = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {_shorten(t, width)}"
+        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {shorten(t, width)}"
         for t, rs in items[:limit]
     )
     more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
     return shown + more
 
 
-def _shorten(text: str, limit: int) -> str:
+def shorten(text: str, limit: int = 300) -> str:
+    """``text`` on one line (whitespace runs collapsed), at most ``limit`` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

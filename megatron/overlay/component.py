@@ -21,7 +21,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 from megatron.overlay.errors import UnsupportedUpstreamError
-from megatron.overlay.fix import PatchSpec
+from megatron.overlay.fix import PatchSpec, declared_specs
 from megatron.overlay.patch import Patch, check_patches
 from megatron.overlay.registry import Patcher, PatchRecord
 
@@ -239,15 +239,7 @@ class Component(Generic[S]):
     def specs(self) -> tuple[PatchSpec, ...]:
         """The declared patches as listed (target, the factory's dotted path, why); read off the
         declarations, nothing is installed."""
-        return tuple(
-            PatchSpec(
-                p.target,
-                f"{getattr(p.factory, '__module__', '?')}."
-                f"{getattr(p.factory, '__qualname__', repr(p.factory))}",
-                p.why,
-            )
-            for p in self.patches
-        )
+        return declared_specs(self.patches)
 
     def describe(self) -> dict[str, Any]:
         """The component as ``python -m megatron.fixes --json`` lists it: ``name``, ``title``,

@@ -27,7 +27,7 @@ from megatron.overlay.errors import UnsupportedUpstreamError
 from megatron.overlay.patch import Patch, check_patches
 from megatron.overlay.registry import Patcher, PatchRecord
 
-__all__ = ["Fix", "FixGroup", "FixStatus", "PatchSpec"]
+__all__ = ["Fix", "FixGroup", "FixStatus", "PatchSpec", "declared_specs"]
 
 logger = logging.getLogger("megatron.fixes")
 
@@ -58,6 +58,16 @@ class PatchSpec:
 
 def _dotted(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def declared_specs(patches: Any) -> tuple[PatchSpec, ...]:
+    """``patches`` as listed, read off the declarations (nothing is installed): each
+    :class:`Patch` as (target, dotted path of its factory, why); an entry already a
+    :class:`PatchSpec` as it is. Fixes and components list their declarations with it."""
+    return tuple(
+        PatchSpec(p.target, _dotted(p.factory), p.why) if isinstance(p, Patch) else p
+        for p in patches
+    )
 
 
 class Fix:
@@ -104,10 +114,7 @@ class Fix:
         records = self.records()
         if records:
             return tuple(PatchSpec(r.target, r.replacement, r.why) for r in records)
-        return tuple(
-            PatchSpec(p.target, _dotted(p.factory), p.why) if isinstance(p, Patch) else p
-            for p in self.patches
-        )
+        return declared_specs(self.patches)
 
     def records(self) -> list[PatchRecord]:
         """This fix's live :class:`PatchRecord` s in the registry."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.integrity import local_layout
 from megatron.overlay import collective
+from megatron.overlay.collective import shorten
 
 LOCAL_TIER_BAD_EXIT_CODE = 75
 """Exit code of a run that found a NaN/Inf result within the NaN window after resuming from the
@@ -104,12 +105,6 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def shorten(text: str, limit: int = 300) -> str:
-    """``text`` on one line (whitespace runs collapsed), at most ``limit`` characters."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def exc_text(e: BaseException) -> str:
