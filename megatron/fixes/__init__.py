@@ -31,6 +31,8 @@ FIX_MODULES = (
     "megatron.fixes.distopt_resume",
     "megatron.fixes.distopt_reshard",
     "megatron.fixes.distopt_bucket_offsets",
+    "megatron.fixes.distopt_padded_bucket",
+    "megatron.fixes.dcp_prepend_axis",
     "megatron.fixes.training_log",
     "megatron.fixes.help_text",
     "megatron.fixes.pretrained_redirect",
