@@ -87,8 +87,9 @@ def padded_bucket_stand_in(weight: int = 8, dp_rank: int = 0, dp_size: int = 1) 
     0 from 0; the shared embedding starts a bucket of its own at the next 64-aligned offset, which
     bucket 0 records as its unpadded size. Default (``weight`` 8, DP 1): bucket 0 has 64 unpadded
     elements (8 of them the weight's, 56 alignment) in a 128-element grad buffer.
-    Its ``get_parameter_state_dp_reshardable`` is upstream's; each parameter's shard of main
-    param and Adam moments holds distinct values (``1000 * (i + 1) + 100 * k`` onwards).
+    Its ``get_parameter_state_dp_reshardable`` is upstream's; ``shard_states`` (parameter ->
+    ``param``, ``exp_avg``, ``exp_avg_sq``) holds each parameter's shard in bucket order, filled
+    from ``1000 * (i + 1) + 100 * k`` onwards (the weight: 1000, 1100, 1200).
 
     Returns the stand-in (the ``self`` of upstream's ``sharded_param_state_dp_reshardable``)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
@@ -135,6 +136,7 @@ def padded_bucket_stand_in(weight: int = 8, dp_rank: int = 0, dp_size: int = 1) 
         buffers=[buffer],
         per_bucket_numel=[[b.grad_data.numel() for b in buckets]],
         per_bucket_numel_unpadded=[list(layout.per_bucket_numel_unpadded)],
+        shard_states=states,
         _get_main_param_and_optimizer_states=lambda p: dict(states[p]),
     )
     opt.get_parameter_state_dp_reshardable = lambda: D.get_parameter_state_dp_reshardable(opt)

@@ -145,6 +145,8 @@ def test_cli_lists_fixes(fixes_cli):
         "distopt_resume",
         "distopt_reshard",
         "distopt_bucket_offsets",
+        "distopt_padded_bucket",
+        "dcp_prepend_axis",
         "training_log",
         "help_text",
         "pretrained_redirect",

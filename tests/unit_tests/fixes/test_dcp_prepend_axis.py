@@ -107,12 +107,13 @@ def test_fixed_shard_without_prepended_axes_is_upstreams(fixed):
 @pytest.mark.parametrize("method", ["__create_chunk_list__", "__create_write_items__"])
 def test_probe_sees_the_defect_through_other_source_text(method):
     from megatron.core.dist_checkpointing.strategies import checkpointable as ck
+
     from megatron.fixes.standins import replaced
 
     megatron.fixes.reset()
     upstream = ck.CheckpointableShardedTensor.__dict__[method]
-    for copy in (rewritten_copy(upstream, {"chunk_size": "chunk_extent"}), trivial_wrapper(upstream)):
-        copy.__module__ = ck.__name__  # upstream's, as a reformatted upstream would be
+    rewritten = rewritten_copy(upstream, {"chunk_size": "chunk_extent"})
+    for copy in (rewritten, trivial_wrapper(upstream)):
         with replaced(ck.CheckpointableShardedTensor, **{method: copy}):
             assert not upstream_describes_prepended_axes()
 
