@@ -10,12 +10,14 @@ rank) through the adapter, or as whole layers on a regular grid through upstream
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import megatron.fixes
+from megatron.fixes import FixStatus
 from megatron.fixes.dcp_prepend_axis import (
     FIX,
     metadata_problems,
@@ -215,7 +217,9 @@ def _unfixed(rank: int, world: int, tmp: str) -> None:
     from megatron.cpu import runtime
 
     runtime.activate()
-    megatron.fixes.reset()
+    os.environ[megatron.fixes.DISABLE_ENV] = FIX.name  # this rank's process only
+    megatron.fixes.apply()  # every other fix, as pretrain_gpt.py applies them
+    assert FIX.status is FixStatus.NOT_APPLIED
     whole = _fresh(Path(tmp) / "whole", rank)
     dist_checkpointing.save(_whole_layers(rank, world), str(whole))  # upstream's other path works
     assert _loads(whole, rank, world, "whole layers")
@@ -235,6 +239,7 @@ def test_fixed_uneven_prepended_shards_round_trip_on_two_ranks(tmp_path):
 
 
 def test_guard_unfixed_upstream_cannot_save_or_load_uneven_prepended_shards(tmp_path):
-    """One rank (the save's failure is raised by the coordinator alone; a second rank would go on
-    and wait): upstream saves and loads the regular path, but neither through the adapter."""
+    """``MEGATRON_FIXES_DISABLE=dcp_prepend_axis``, every other fix applied; one rank (the save's
+    failure is raised by the coordinator alone; a second rank would go on and wait): upstream
+    saves and loads the regular path, but neither through the adapter."""
     run_distributed(_unfixed, 1, str(tmp_path))

@@ -7,12 +7,14 @@ save and bitwise resume) is tests/functional_tests/test_distopt_padded_bucket.py
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import megatron.fixes
+from megatron.fixes import FixStatus
 from megatron.fixes.distopt_padded_bucket import (
     FIX,
     chunk_problems,
@@ -137,14 +139,18 @@ def _dcp_body(rank: int, world: int, tmp: str) -> None:
     from megatron.cpu import runtime
 
     runtime.activate()  # megatron-core's torch_dist writer calls torch.cuda.synchronize()
-    megatron.fixes.reset()
+    os.environ[megatron.fixes.DISABLE_ENV] = FIX.name  # this rank's process only
+    megatron.fixes.apply()  # every other fix, as pretrain_gpt.py applies them
+    assert FIX.status is FixStatus.NOT_APPLIED
+    assert D.sharded_param_state_dp_reshardable is upstream_reshardable()
     unfixed, fixed_dir = Path(tmp) / "unfixed", Path(tmp) / "fixed"
     unfixed.mkdir()
     fixed_dir.mkdir()
     with pytest.raises(ValueError, match=r"Failed to validate global plan.*out of bounds chunk"):
-        dist_checkpointing.save({"optimizer": _save_state(upstream_reshardable())}, str(unfixed))
+        dist_checkpointing.save({"optimizer": _save_state()}, str(unfixed))
     assert not (unfixed / ".metadata").exists()
 
+    del os.environ[megatron.fixes.DISABLE_ENV]
     assert FIX.apply().value == "active"
     saved = _save_state()
     dist_checkpointing.save({"optimizer": saved}, str(fixed_dir))
@@ -171,4 +177,6 @@ def _dcp_body(rank: int, world: int, tmp: str) -> None:
 
 
 def test_fixed_save_loads_back_bitwise_where_upstream_is_refused(tmp_path):
+    """One gloo rank: with ``MEGATRON_FIXES_DISABLE=distopt_padded_bucket`` (every other fix
+    applied) DCP refuses the save, as on the entrypoint; with the fix it saves and loads back."""
     run_distributed(_dcp_body, 1, str(tmp_path))
