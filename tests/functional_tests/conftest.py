@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,18 @@ def read_rng_log(prefix: Path, nproc: int = 2) -> dict[int, list[str]]:
             rec = json.loads(line)
             out.setdefault(rec["iteration"], [""] * nproc)[rank] = rec["torch"]
     return out
+
+
+def lose_exit_save(ckpt: Path, iteration: int) -> None:
+    """Make ``ckpt`` what a node lost right after the local save of ``iteration`` leaves: the
+    persistent checkpoint that the planned exit at ``iteration`` wrote after it (fix
+    ``planned_exit_save``) is removed, and the tracker names the newest older one (or is removed
+    when there is none). For the tests whose subject is a resume from the local tier while the
+    persistent tier is older."""
+    shutil.rmtree(ckpt / f"iter_{iteration:07d}")
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    older = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*") if int(p.name[5:]) < iteration)
+    if older:
+        tracker.write_text(str(older[-1]))
+    else:
+        tracker.unlink()
