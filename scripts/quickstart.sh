@@ -48,7 +48,9 @@ PY
 }
 
 train part1 --exit-interval 12
-step trained "$(losses 1 12); persistent checkpoint 10 (ckpt/), local checkpoints every 4 (local/<rank>/, each shard replicated on the other rank), stopped at 12"
+tracker=$(cat ckpt/latest_checkpointed_iteration.txt)
+[ "$tracker" = 12 ] || fail "the planned exit at 12 (persistent checkpoint $tracker, expected 12)" part1.log
+step trained "$(losses 1 12); persistent checkpoints 10 and 12 (ckpt/; the planned exit saves one), local checkpoints every 4 (local/<rank>/, each shard replicated on the other rank), stopped at 12"
 n=$(find local/1 -type f | wc -l)
 rm -rf local/1
 step lost "rank 1's local checkpoint directory local/1/ ($n files: its iteration-12 shard and its replica of rank 0's)"
@@ -60,8 +62,8 @@ for r in 0 1; do
 done
 grep -q "^\[local-tier\] rank 1: .*repaired from rank 0's replica" part2.log \
   || fail "recovery (rank 1 was not repaired from rank 0's replica)" part2.log
-line=$(grep -m1 "^\[resume-proof\] iteration 12: .* equal to the saved state" part2.log || true)
-[ -n "$line" ] || fail "resume proof (the state loaded at iteration 12 is not proven equal to the saved one)" part2.log
+line=$(grep -m1 "^\[resume-proof\] iteration 12: .* equal to the saved state (local tier " part2.log || true)
+[ -n "$line" ] || fail "resume proof (the state loaded from the local tier at iteration 12 is not proven equal to the saved one)" part2.log
 step proven "${line#\[resume-proof\] }"
 step trained "$(losses 13 20); local checkpoint 16 on both ranks, persistent checkpoint 20"
 "$py" "$repo/tools/verify_checkpoint.py" --local-dir local --json verify.json --no-progress > verify.log 2>&1 \

@@ -77,7 +77,7 @@ def _log_once(what: str) -> None:
     if state is None or what not in state.logged:
         if state is not None:
             state.logged.add(what)
-        logger.info("cpu backend: intercepted %s", what)
+        logger.debug("cpu backend: intercepted %s", what)
 
 
 def is_active() -> bool:
@@ -480,7 +480,7 @@ class CpuBackend(Component[CpuBackendState]):
         CUDA_GENERATOR.manual_seed(0)
         state.mode = CudaToCpuMode()
         state.mode.__enter__()
-        logger.info(
+        logger.debug(
             "cpu backend: active (torch %s, %d threads)", torch.__version__, torch.get_num_threads()
         )
 

@@ -40,6 +40,8 @@ FIX_MODULES = (
     "megatron.fixes.rng_state_ep",
     "megatron.fixes.fsdp_rng",
     "megatron.fixes.missing_checkpoint_exit",
+    "megatron.fixes.planned_exit_save",
+    "megatron.fixes.data_loader_rng",
 )
 
 __all__ = [

@@ -527,7 +527,7 @@ class ModeloptStateFix(Fix):
             save, generate, _upstream_modelopt_flag(ckpt), local=False
         )
         local = probe_upstream_saves_modelopt_state(save, generate, True, local=True)
-        logger.info(
+        logger.debug(
             "modelopt_state probe: ModelOpt state stored by a persistent save = %s, by a local "
             "save = %s",
             persistent,

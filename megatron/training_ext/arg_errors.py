@@ -228,7 +228,9 @@ def check_later_failures(args: argparse.Namespace, prog: str = "pretrain_gpt.py"
     Raises:
         ArgumentMistake: ``--replication-jump`` x ``--replication-factor`` does not divide the
             world size (NVRx asserts when it builds the replication groups: a traceback, not a
-            line, typically at a restart on fewer nodes); ``--eval-interval`` missing in
+            line, typically at a restart on fewer nodes); ``--use-megatron-fsdp`` with
+            ``--pipeline-model-parallel-size`` > 1 (upstream's model build fails with an
+            ``einops.EinopsError`` traceback); ``--eval-interval`` missing in
             iteration-based training (upstream's default is None; ``training.py`` computes
             ``args.train_iters // args.eval_interval`` when it builds the data loaders:
             ``TypeError``).
@@ -251,6 +253,16 @@ def check_later_failures(args: argparse.Namespace, prog: str = "pretrain_gpt.py"
                 f"divide the world size. A restart on fewer nodes needs its own values (here e.g. "
                 f"{fits}); the local checkpoints written with the old ones are still used"
             )
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if getattr(args, "use_megatron_fsdp", False) and pp > 1:
+        # upstream's Megatron-FSDP builds its device mesh as (dp_cp ep tp) over the whole world:
+        # with PP > 1 the world is larger and the model build fails with an einops.EinopsError
+        raise mistake(
+            f"{prog}: invalid arguments (--use-megatron-fsdp with --pipeline-model-parallel-size="
+            f"{pp}): Megatron-FSDP does not support pipeline parallelism (its device mesh spans "
+            "data, expert and tensor parallel ranks only); use --pipeline-model-parallel-size 1, "
+            "or --use-distributed-optimizer without --use-megatron-fsdp"
+        )
     if (
         getattr(args, "eval_interval", 0) is None
         and not getattr(args, "full_validation", False)

@@ -83,6 +83,10 @@ def _cpu_async_flags(argv: list[str]) -> tuple[tuple[str, ...], ...]:
     return CPU_ASYNC_FLAGS
 
 
+#: Flags of upstream's FSDP implementations, which refuse ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
+_FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
+
+
 def prepare_cpu_backend(argv: list[str]) -> bool:
     """If ``--cpu`` is on the command line, activate the CPU backend and add its default flags to
     ``argv`` in place.
@@ -111,12 +115,23 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
         if not any(a == entry[0] or a.startswith(entry[0] + "=") for a in argv):
             argv.extend(entry)
             added.append(" ".join(entry))
-    # Upstream asserts it for TP/CP (a CUDA scheduling knob; meaningless on CPU).
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Upstream asserts it for TP/CP (a CUDA scheduling knob; meaningless on CPU), and asserts it is
+    # not 1 for FSDP (where TP/CP only warn): left unset for FSDP.
+    if not any(a in argv for a in _FSDP_FLAGS):
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron.cpu import runtime
 
     runtime.activate()
-    logger.info("cpu backend: added flags: %s", " ".join(added) or "(none)")
+    import torch
+
+    if os.environ.get("RANK", "0") == "0":  # one line for the job (before any process group)
+        logger.info(
+            "cpu backend: active (torch %s, %d thread(s) per rank; the CUDA calls it answers are "
+            "logged at --logging-level 10); added flags: %s",
+            torch.__version__,
+            torch.get_num_threads(),
+            " ".join(added) or "(none)",
+        )
     return True
 
 

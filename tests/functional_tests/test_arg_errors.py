@@ -119,3 +119,20 @@ def test_missing_eval_interval_is_refused_at_start(tmp_path):
     text = out.read_text()
     _check(text, code, ["--eval-interval is required"], "--eval-iters 0")
     assert "iteration        1/" not in text  # refused before training
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_with_pipeline_parallelism_is_refused(tmp_path):
+    """Upstream builds Megatron-FSDP's device mesh over (dp_cp ep tp) only: with PP 2 every rank
+    dies in the model build with an ``einops.EinopsError`` traceback. Refused at argument
+    validation instead, on every rank, before any process group (no ``CUDA_DEVICE_MAX_CONNECTIONS``
+    override: FSDP on ``--cpu`` is not refused for the CPU backend's own default)."""
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+            "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]  # fmt: skip
+    run = fl.run_pretrain(
+        tmp_path, *fsdp, "--pipeline-model-parallel-size", "2", check=False, timeout=120,
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": ""},
+    )  # fmt: skip
+    flags = ["--use-megatron-fsdp", "--pipeline-model-parallel-size=2"]
+    _check(run.output, run.returncode, flags, "does not support pipeline parallelism")
+    assert "EinopsError" not in run.output and "CUDA_DEVICE_MAX_CONNECTIONS" not in run.output

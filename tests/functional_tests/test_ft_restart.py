@@ -35,6 +35,7 @@ import pytest
 
 from megatron.training_ext import loss_log
 from megatron.training_ext.local_tier import LOCAL_TIER_BAD_EXIT_CODE, MARKER_NAME
+from tests.functional_tests.conftest import lose_exit_save
 from tests.helpers.dist import free_port
 from tests.helpers.launch import (
     ENTRY,
@@ -195,6 +196,7 @@ def test_nan_after_local_resume_marks_tier_bad_and_next_start_loads_persistent(
     work = tmp_path / "nan"
     shutil.copytree(src / "ckpt", work / "ckpt")
     shutil.copytree(src / "local", work / "local")
+    lose_exit_save(work / "ckpt", 12)  # the exit's persistent save: as if the node was lost
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     env = {"MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD": "14"}
     args = ["--train-iters", "16", *TIERS]

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training_ext import loss_log
+from tests.functional_tests.conftest import lose_exit_save
 from tests.helpers.dist import free_port
 from tests.helpers.fault_injection import ENV_FAULT
 from tests.helpers.launch import (
@@ -181,8 +182,8 @@ def test_node_lost_without_spare_resumes_at_dp2_then_grows_back(tmp_path, node_b
         out,
     ), out[-4000:]
     assert f"[persistent-tier] iter_{LOST_AT:07d}: verified 5 files" in out
-    # a durable copy: the tracker names it, its digest is the local save's
-    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+    # a durable copy, its digest the local save's; the planned exit at 16 saved persistently too
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "16"
     assert (work / "ckpt" / f"iter_{LOST_AT:07d}" / "state_digest.json").is_file()
     # the DP 4 files went once the first DP 2 local save completed; 16 replicated at jump 1
     assert local_files(work / "nodeA" / "local") == {
@@ -245,6 +246,7 @@ def test_without_distributed_optimizer_at_tp2(tmp_path):
     tp2 = ["--tensor-model-parallel-size", "2"]
     first = run_pretrain(work, *_args("local", 2, 12, tp2), nproc=4, loss_file="first.jsonl")
     assert max(first.losses) == LOST_AT
+    lose_exit_save(work / "ckpt", LOST_AT)  # the exit's persistent save: as if the node was lost
     shutil.rmtree(work / "local" / "2")
     shutil.rmtree(work / "local" / "3")
     run = run_pretrain(work, *_args("local", None, 13, tp2), nproc=2)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.functional_tests.conftest import lose_exit_save
 from tests.helpers.fault_injection import flip_byte_in_largest_storage
 from tests.helpers.launch import (
     FAULTS_ENTRY,
@@ -58,6 +59,8 @@ def straight(straight_16_exit_14):
 def base(tmp_path_factory):
     work = tmp_path_factory.mktemp("base")
     run_pretrain(work, *SCHEDULE, *tiers(work), "--exit-interval", "12")
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+    lose_exit_save(work / "ckpt", 12)  # as a node lost right after the local save of 12
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     for rank in (0, 1):
         assert sorted(p.name for p in (work / "local" / str(rank)).iterdir()) == [

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from tests.functional_tests.conftest import lose_exit_save
 from tests.helpers.launch import (
     FAULTS_ENTRY,
     assert_bitwise_equal,
@@ -87,6 +88,7 @@ def test_local_checkpoint_resume_and_replica_recovery_are_bitwise(tmp_path, stra
         str(run_dir / "local"),
         *LOCAL,
     )
+    lose_exit_save(run_dir / "ckpt", 10)  # the exit's persistent save: as if the node was lost
     assert not list((run_dir / "ckpt").glob("iter_*")), "no persistent checkpoint may exist at 10"
     for name, lose_rank in (("intact", None), ("rank1_lost", 1)):
         work = tmp_path / name

@@ -11,7 +11,11 @@ Environment variables (none set: nothing is installed):
 * ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE``: ``SIGKILL`` during a local save
   (:func:`parse_local_save_kill`, :func:`install_local_save_kill`);
 * ``MEGATRON_TEST_LOCAL_DISK_FULL="rank=R,iteration=K"``: rank ``R``'s local disk is full from
-  its local save of ``K`` on (:func:`install_local_disk_full`).
+  its local save of ``K`` on (:func:`install_local_disk_full`);
+* ``MEGATRON_TEST_PERTURB_AFTER_LOAD=1``: after a resume, every rank changes one model value just
+  before the first training step; ``MEGATRON_TEST_RNG_LOG=PATH``: each rank appends the digest of
+  torch's CPU generator state as each iteration begins to ``PATH.<rank>``
+  (:func:`install_step_probes`).
 
 Every replacement goes through :mod:`megatron.overlay.registry` (owner ``fault_injection``);
 :func:`uninstall` restores them. Messages are printed as ``[fault-injection] ...`` lines.
@@ -36,6 +40,8 @@ ENV_NAN = "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"
 ENV_KILL_LOCAL_SAVE = "MEGATRON_TEST_KILL_IN_LOCAL_SAVE"
 ENV_ABORT_ASYNC = "MEGATRON_TEST_ABORT_ASYNC_SAVE"
 ENV_DISK_FULL = "MEGATRON_TEST_LOCAL_DISK_FULL"
+ENV_PERTURB = "MEGATRON_TEST_PERTURB_AFTER_LOAD"
+ENV_RNG_LOG = "MEGATRON_TEST_RNG_LOG"
 #: Moments of a local save at which ``MEGATRON_TEST_KILL_IN_LOCAL_SAVE`` can kill, in save order.
 LOCAL_SAVE_MOMENTS = ("replicate", "write", "rename", "cleanup")
 DEFAULT_WRITE_FRACTION = 0.5
@@ -226,6 +232,9 @@ def install_from_env(args) -> None:
     if full_spec and "local_disk_full" not in _installed:
         full = parse_fault(full_spec)
         install_local_disk_full(full["rank"], full["iteration"])
+    perturb, rng_log = os.environ.get(ENV_PERTURB), os.environ.get(ENV_RNG_LOG)
+    if (perturb or rng_log) and "step_probes" not in _installed:
+        install_step_probes(bool(perturb), rng_log)
     abort_spec = os.environ.get(ENV_ABORT_ASYNC)
     if abort_spec and "abort_async" not in _installed:
         if not abort_spec.isdigit() or not getattr(args, "async_save", False):
@@ -301,6 +310,59 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
         f"({ENV_NAN}).",
     )
     _installed["train_step"] = upstream
+
+
+def rng_digest() -> str:
+    """SHA-256 (hex) of torch's global CPU generator state."""
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+
+def install_step_probes(perturb: bool, rng_log: Optional[str]) -> None:
+    """Wrap ``megatron.training.training.train_step`` (outside this fork's wrappers, so before the
+    resume proof's check at the first step): with ``perturb``, in a process whose first step
+    resumes a checkpoint (``iteration`` > 0), every rank adds 1.0 to the first element of its
+    model's first parameter before that step (a change between the load and the first step);
+    with ``rng_log``, every rank appends ``{"iteration": K, "torch": rng_digest()}`` as iteration
+    ``K`` begins, one JSON line, to ``<rng_log>.<rank>``."""
+    import json
+
+    import megatron.training.training as training
+    import torch
+    import torch.distributed as dist
+
+    upstream = training.train_step
+    sig = inspect.signature(upstream)
+    first = [True]
+
+    @wraps_upstream(upstream)
+    def train_step_with_probes(*a, **kw):
+        """Test-only: ``train_step``, after the probes ``MEGATRON_TEST_PERTURB_AFTER_LOAD`` /
+        ``MEGATRON_TEST_RNG_LOG`` ask for."""
+        bound = sig.bind(*a, **kw).arguments
+        iteration = int(bound.get("iteration") or 0)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rng_log:
+            with open(f"{rng_log}.{rank}", "a") as f:
+                f.write(json.dumps({"iteration": iteration + 1, "torch": rng_digest()}) + "\n")
+        if perturb and first[0] and iteration > 0:
+            with torch.no_grad():
+                next(bound["model"][0].parameters()).view(-1)[0] += 1.0
+            _say(f"rank {rank}: changed a model value after the load of {iteration}")
+        first[0] = False
+        return upstream(*a, **kw)
+
+    _PATCHER.replace(
+        training,
+        "train_step",
+        train_step_with_probes,
+        f"test-only: change a model value after a load ({ENV_PERTURB}) or log the CPU "
+        f"generator as each iteration begins ({ENV_RNG_LOG}).",
+    )
+    _installed["step_probes"] = upstream
 
 
 def _install_async_abort(at: int, strategy: str, timeout: float = 300.0) -> None:

@@ -123,7 +123,7 @@ class LocalTier(Component[TierState]):
         return problems
 
     def started(self, state: TierState) -> None:
-        logger.info(
+        logger.debug(
             "local_tier: validated local checkpoint tier installed (NaN window %d)",
             state.nan_window,
         )

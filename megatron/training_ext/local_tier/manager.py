@@ -340,7 +340,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         timings["agree"] = time.perf_counter() - t_gather
         self._generation, self._identity = inventories[0].generation, tuple(inventories[0].identity)
         if identity[0] != self._identity[0]:
-            logger.info(
+            logger.debug(
                 "rank %d derives run id %s, rank 0 %s: using rank 0's",
                 rank_dir.rank,
                 identity[0],

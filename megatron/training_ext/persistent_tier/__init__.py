@@ -130,7 +130,7 @@ class PersistentTier(Component[PersistentTierState]):
 
     def started(self, state: PersistentTierState) -> None:
         policy = state.policy
-        logger.info(
+        logger.debug(
             "persistent_tier: installed (write=%s verify=%s require=%s)",
             policy.write,
             policy.verify,

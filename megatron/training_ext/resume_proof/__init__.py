@@ -1,6 +1,7 @@
 """Resume proof: every save records a topology-independent digest of the training state taken from
 memory before anything is serialized, and every load recomputes it from the state it rebuilt and
-compares, before the first training step.
+compares when the first training step after the load begins (what runs between the load and
+that step, such as building the data iterators, is covered).
 
 Byte checksums prove that a checkpoint's files hold what was written; they cannot see a writer that
 wrote the wrong values (Megatron-LM PR 5077: the fully-reshardable distributed optimizer read the
@@ -85,7 +86,9 @@ class ResumeProofState:
         pending: the digest record of the save in progress (``None`` outside a save).
         written: whether ``pending`` was written into the save's iteration directory.
         loaded: ``(record or None, checkpoint name, checkpoint type)`` of what the last
-            ``_load_base_checkpoint`` read, until ``load_checkpoint`` proves it.
+            ``_load_base_checkpoint`` read, until ``load_checkpoint`` returns.
+        deferred: ``(bound arguments, result, loaded)`` of the last ``load_checkpoint`` whose
+            state is still to be proven: at the first ``train_step`` after it, or a save before.
         exchange: combines the ranks' shares of every digest of this install (keeps the layout
             of its cheap exchange between digests).
     """
@@ -94,6 +97,7 @@ class ResumeProofState:
     pending: Optional[dict] = None
     written: bool = False
     loaded: Optional[Tuple[Optional[dict], Any, Any]] = None
+    deferred: Optional[Tuple[Any, Any, Any]] = None
     exchange: DigestExchange = field(default_factory=DigestExchange)
 
 

@@ -1,8 +1,8 @@
 """The resume proof's wrappers of upstream's checkpointing: a save digests the live training
 state first and records the digest (``state_digest.json`` in the iteration directory, and the
-``state_digest`` entry of the common state); a load remembers the digest of what it read, and once
-``load_checkpoint`` (with this fork's fallbacks) returns, the rebuilt state is digested and
-compared with it before the first training step.
+``state_digest`` entry of the common state); a load remembers the digest of what it read, and when
+the first training step after it begins (or a save comes first), the state is digested and
+compared with it: whatever upstream runs between the load and that step is covered.
 
 The wrappers read the installed proof's state (:func:`proof_state`) at call time and pass through
 when the proof is not installed.
@@ -35,6 +35,7 @@ __all__ = [
     "ResumeProofError",
     "digest_of_save",
     "proof_state",
+    "prove_pending",
     "write_pending",
 ]
 
@@ -121,6 +122,7 @@ def _wrap_save_checkpoint(orig):
         st = proof_state()
         if st is None:
             return orig(*a, **kw)
+        prove_pending()  # a save right after a load (no step between): the loaded state first
         ba = sig.bind(*a, **kw)
         ba.apply_defaults()
         args = checkpointing.get_args()
@@ -299,15 +301,41 @@ def _wrap_load_checkpoint(orig):
         if st is None:
             return orig(*a, **kw)
         st.loaded = None
+        st.deferred = None
         result = orig(*a, **kw)
         ba = sig.bind(*a, **kw)
         ba.apply_defaults()
         if st.loaded is None or ba.arguments.get("skip_load_to_model_and_opt"):
             return result
-        _prove(st, ba, result)
+        # proven when the first training step begins (or at a save before any step): whatever
+        # runs between the load and that step (building the data iterators, ...) is covered
+        st.deferred = (ba, result, st.loaded)
+        st.loaded = None
         return result
 
     return load_checkpoint
+
+
+def prove_pending() -> None:
+    """Prove the state of the last load, if not yet proven (:func:`_prove`; collective: every
+    rank calls it at the same point, the first ``train_step`` or a save before it)."""
+    st = proof_state()
+    if st is None or st.deferred is None:
+        return
+    ba, result, st.loaded = st.deferred
+    st.deferred = None
+    _prove(st, ba, result)
+
+
+def _wrap_train_step(orig):
+    @wraps_upstream(orig)
+    def train_step(*a, **kw):
+        """Upstream's; the first step after a load first proves the state it begins from equal
+        to the saved one (megatron.training_ext.resume_proof)."""
+        prove_pending()
+        return orig(*a, **kw)
+
+    return train_step
 
 
 _CKPT = "megatron.training.checkpointing"
@@ -347,5 +375,11 @@ PATCHES = (
         "megatron.training.training.load_checkpoint",
         alias_of(f"{_CKPT}.load_checkpoint", only_if_same=True, otherwise=_wrap_load_checkpoint),
         _WHY_LOAD + " (train()'s binding)",
+    ),
+    Patch(
+        "megatron.training.training.train_step",
+        _wrap_train_step,
+        "the proof compares the state as the first training step after a load begins, so that "
+        "what runs between the load and that step (e.g. building the data iterators) is covered",
     ),
 )

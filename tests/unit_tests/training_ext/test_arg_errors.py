@@ -107,3 +107,21 @@ def test_replication_groups_that_do_not_divide_the_world_are_refused():
         non_persistent_ckpt_type="local", replication=False, eval_interval=10, world_size=3
     )
     arg_errors.check_later_failures(no_repl)
+
+
+def test_megatron_fsdp_with_pipeline_parallelism_is_refused():
+    """Megatron-FSDP's device mesh spans (dp_cp ep tp) over the whole world: with PP 2 upstream's
+    model build fails with an ``einops.EinopsError`` traceback; refused with one line instead."""
+    ns = argparse.Namespace(use_megatron_fsdp=True, pipeline_model_parallel_size=2, eval_interval=1)
+    with pytest.raises(arg_errors.ArgumentMistake) as info:
+        arg_errors.check_later_failures(ns)
+    assert info.value.code == (
+        "pretrain_gpt.py: invalid arguments (--use-megatron-fsdp with "
+        "--pipeline-model-parallel-size=2): Megatron-FSDP does not support pipeline parallelism "
+        "(its device mesh spans data, expert and tensor parallel ranks only); use "
+        "--pipeline-model-parallel-size 1, or --use-distributed-optimizer without "
+        "--use-megatron-fsdp"
+    )
+    for fsdp, pp in ((True, 1), (False, 2)):
+        ok = argparse.Namespace(use_megatron_fsdp=fsdp, pipeline_model_parallel_size=pp)
+        arg_errors.check_later_failures(argparse.Namespace(**vars(ok), eval_interval=1))

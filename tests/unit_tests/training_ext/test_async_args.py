@@ -69,3 +69,16 @@ def test_async_save_with_a_format_upstream_cannot_save_async_is_refused():
         validate_fork_args(_parser().parse_args(["--async-save", "--ckpt-format", "torch"]))
     validate_fork_args(_parser().parse_args(["--async-save", "--ckpt-format", "torch_dcp"]))
     validate_fork_args(_parser().parse_args(["--ckpt-format", "torch"]))
+
+
+@pytest.mark.parametrize("fsdp", ["--use-megatron-fsdp", "--use-torch-fsdp2"])
+def test_cpu_leaves_cuda_device_max_connections_unset_for_fsdp(monkeypatch, fsdp):
+    """Upstream asserts ``CUDA_DEVICE_MAX_CONNECTIONS != 1`` for FSDP (TP/CP only warn then): the
+    CPU backend's default of 1 (for TP/CP without FSDP) would refuse every ``--cpu`` FSDP run."""
+    import os
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    prepare_cpu_backend(["pretrain_gpt.py", "--cpu", fsdp])
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    prepare_cpu_backend(["pretrain_gpt.py", "--cpu", "--tensor-model-parallel-size", "2"])
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
