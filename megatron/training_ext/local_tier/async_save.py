@@ -98,11 +98,15 @@ class StagingSlot:
                     copied[key] = buf
                 buf = copied[key]
                 view = torch.empty(0, dtype=t.dtype)
-                out.append(view.set_(buf.untyped_storage(), t.storage_offset(), t.size(), t.stride()))
+                out.append(
+                    view.set_(buf.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+                )
             else:  # a small view of a large storage: copy the tensor alone
                 nbytes = t.numel() * t.element_size()
                 buf = self._take(pool, nbytes, pinned)
-                dst = buf.view(t.dtype).view(t.shape) if nbytes else torch.empty_like(t, device="cpu")
+                dst = (
+                    buf.view(t.dtype).view(t.shape) if nbytes else torch.empty_like(t, device="cpu")
+                )
                 dst.copy_(t.detach(), non_blocking=pinned)
                 buffers.append(buf)
                 out.append(dst)

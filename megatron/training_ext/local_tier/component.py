@@ -109,7 +109,11 @@ class LocalTier(Component[TierState]):
             "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
         ),
         Patch("megatron.training.checkpointing.schedule_async_save", route_schedule, _WHY_ASYNC),
-        Patch("megatron.training.async_utils.maybe_finalize_async_save", wrap_maybe_finalize, _WHY_ASYNC),
+        Patch(
+            "megatron.training.async_utils.maybe_finalize_async_save",
+            wrap_maybe_finalize,
+            _WHY_ASYNC,
+        ),
         Patch(
             "megatron.training.training.maybe_finalize_async_save",
             alias_of(
