@@ -76,6 +76,18 @@ def _write_error_text(directory, ckpt_id, state_dict, e: Exception) -> str:
     return f"rank {process_rank()} could not write {directory} ({what}: {room})"
 
 
+def _no_host_clone(state_dict) -> None:
+    """A synchronous save writes the tensors before it returns, so NVRx's
+    ``copy_tensors_to_cpu`` need not clone the host tensors first (a copy of the whole shard per
+    save; it keeps the device-to-host copy of device tensors): mark them as copies already."""
+    try:
+        for sh in state_dict._sharded_tensors:
+            if sh.data is not None and sh.data.device.type == "cpu":
+                sh.orig_device = "cpu"
+    except AttributeError:  # not an MCoreTensorAwareStateDict: NVRx clones as before
+        pass
+
+
 class ValidatedLocalCheckpointManager(LocalCheckpointManager):
     """NVRx ``LocalCheckpointManager`` (0.7.0) whose checkpoints are only used when they are the
     right run, iteration and topology, are repaired from verified replicas, and whose saves are
@@ -158,6 +170,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         if is_async:
             return self._save_async(state_dict, iteration, generation)
         self._mark(state_dict, finite_flags(list(state_dict.tensors)), iteration, generation)
+        _no_host_clone(state_dict)
         self._write_error = None
         self._saving_iteration = iteration
         try:
@@ -214,6 +227,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         from megatron.training_ext.local_tier import async_save
         from megatron.training_ext.resume_proof.hooks import take_deferred_digest
 
+        t0 = time.perf_counter()
         tier = COMPONENT.state
         if tier.async_writer is None:  # collective: every rank's first asynchronous save
             tier.async_writer = async_save.AsyncLocalWriter(self.repl_strategy)
@@ -221,8 +235,11 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         digest = take_deferred_digest()
         tensors = list(state_dict.tensors)
         extra = digest.tensors() if digest is not None else []
+        t1 = time.perf_counter()
         slot = writer.slot_for(iteration)
+        t2 = time.perf_counter()
         staged = slot.stage(tensors + extra)
+        t3 = time.perf_counter()
         if digest is not None:
             digest.bind(staged[len(tensors) :])
         state_dict.pop_tensors()
@@ -239,6 +256,13 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             },
         )
         writer.submit(job)
+        t4 = time.perf_counter()
+        if logger.isEnabledFor(10):  # DEBUG
+            logger.debug(
+                f"async save {iteration}: setup {1e3 * (t1 - t0):.1f} ms, "
+                f"slot {1e3 * (t2 - t1):.1f} ms, stage {1e3 * (t3 - t2):.1f} ms ({slot.nbytes / 1e6:.1f} MB), hollow "
+                f"{1e3 * (t4 - t3):.1f} ms",
+            )
         return async_save.LocalAsyncRequest(job, self._finalize_async)
 
     def _write_async(self, job) -> None:
