@@ -260,8 +260,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         if logger.isEnabledFor(10):  # DEBUG
             logger.debug(
                 f"async save {iteration}: setup {1e3 * (t1 - t0):.1f} ms, "
-                f"slot {1e3 * (t2 - t1):.1f} ms, stage {1e3 * (t3 - t2):.1f} ms ({slot.nbytes / 1e6:.1f} MB), hollow "
-                f"{1e3 * (t4 - t3):.1f} ms",
+                f"slot {1e3 * (t2 - t1):.1f} ms, stage {1e3 * (t3 - t2):.1f} ms "
+                f"({slot.nbytes / 1e6:.1f} MB), hollow {1e3 * (t4 - t3):.1f} ms",
             )
         return async_save.LocalAsyncRequest(job, self._finalize_async)
 
