@@ -161,15 +161,14 @@ def _wrap_save_checkpoint(orig):
 
 
 def _async_local_save(args: Any, arguments: Dict[str, Any]) -> bool:
-    """An asynchronous local save of the validated local tier (its digest is taken from the
-    snapshot in the tier's background thread)."""
-    from megatron.training_ext import local_tier
-
+    """An asynchronous local save of the validated local tier (``--async-save`` with local
+    checkpoints and validation on): its digest is taken from the snapshot in the tier's
+    background thread (``take_deferred_digest``)."""
     return bool(
         arguments.get("non_persistent_ckpt")
         and getattr(args, "non_persistent_ckpt_type", None) == "local"
         and getattr(args, "async_save", False)
-        and local_tier.installed()
+        and getattr(args, "local_tier_validation", True)
     )
 
 
