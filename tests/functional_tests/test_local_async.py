@@ -27,6 +27,8 @@ from tests.helpers.launch import (
     start_lines,
 )
 
+pytestmark = pytest.mark.slow
+
 
 def _flags(work: Path, replication: bool = True) -> list[str]:
     return [

@@ -165,6 +165,13 @@ class LocalTier(Component[TierState]):
             )
         return problems
 
+    def install(self, args: Any = None):
+        """As :meth:`Component.install`; a reinstall (a new attempt in the same process) first
+        stops the background thread of the previous attempt's asynchronous local saves."""
+        if self.state is not None:
+            self.stopped(self.state)
+        return super().install(args)
+
     def stopped(self, state: TierState) -> None:
         """Stop the background thread of asynchronous local saves (its unfinalized saves are
         left as a crash leaves them: the previous complete local checkpoint stays usable)."""
