@@ -303,14 +303,17 @@ def validate_fork_args(args: argparse.Namespace) -> None:
     if (
         getattr(args, "async_save", False)
         and getattr(args, "non_persistent_ckpt_type", None) == "local"
+        and not getattr(args, "local_tier_validation", True)
     ):
-        # upstream left --async-save on: it runs through the persistent worker (spawned)
+        # upstream's local tier hands the save to the persistent worker (spawned); the validated
+        # tier (the default) writes asynchronous local saves in a background thread instead
         raise SystemExit(
-            "--async-save with --non-persistent-ckpt-type local is not supported: NVRx's "
-            "local checkpoint save request holds a process group, which cannot be sent "
-            "to the persistent checkpoint worker (TypeError: cannot pickle "
-            "'ProcessGroup' at the first local save); drop --async-save (local saves "
-            "are fast and synchronous) or the local tier"
+            "--async-save with --non-persistent-ckpt-type local and --no-local-tier-validation "
+            "is not supported: upstream's local checkpoint save request holds a process group, "
+            "which cannot be sent to the persistent checkpoint worker (TypeError: cannot "
+            "pickle 'ProcessGroup' at the first local save); drop --no-local-tier-validation "
+            "(the validated local tier saves asynchronously in a background thread) or "
+            "--async-save"
         )
     hold_timeout = getattr(args, "save_hold_timeout", None)
     if hold_timeout is not None and not hold_timeout > 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -71,6 +72,9 @@ class TierState:
         marker_written: this process wrote the bad-tier marker (the next save keeps it).
         deferring, deferred: result validations deferred inside an iteration of the NaN window.
         warned_unverified: a file without a checksum record was reported once.
+        async_writer: the background thread of asynchronous local saves
+            (:class:`~.async_save.AsyncLocalWriter`), started by the first one.
+        async_pending: their scheduled requests not finalized yet, oldest first.
     """
 
     validation: bool
@@ -86,6 +90,8 @@ class TierState:
     deferring: bool = False
     deferred: List[str] = field(default_factory=list)
     warned_unverified: bool = False
+    async_writer: Any = None
+    async_pending: deque = field(default_factory=deque)
 
 
 def gather_objects(obj: Any) -> list:

@@ -17,7 +17,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 )
 
 from megatron.integrity import local_identity
-from megatron.overlay import Patch
+from megatron.overlay import Patch, alias_of
 from megatron.overlay.component import Component
 from megatron.training_ext.local_tier.common import (
     DEFAULT_NAN_WINDOW,
@@ -26,7 +26,15 @@ from megatron.training_ext.local_tier.common import (
     logger,
 )
 
-__all__ = ["COMPONENT", "LocalTier", "validated_manager", "wrap_train_step", "wrap_validate_result"]
+__all__ = [
+    "COMPONENT",
+    "LocalTier",
+    "route_schedule",
+    "validated_manager",
+    "wrap_maybe_finalize",
+    "wrap_train_step",
+    "wrap_validate_result",
+]
 
 
 def validated_manager(_original: Any) -> type:
@@ -49,6 +57,26 @@ def wrap_validate_result(upstream: Any) -> Any:
     from megatron.training_ext.local_tier import nan_window
 
     return nan_window.wrap_validate_result(upstream)
+
+
+def route_schedule(upstream: Any) -> Any:
+    """Patch factory: :func:`megatron.training_ext.local_tier.async_save.route_schedule`."""
+    from megatron.training_ext.local_tier import async_save
+
+    return async_save.route_schedule(upstream)
+
+
+def wrap_maybe_finalize(upstream: Any) -> Any:
+    """Patch factory: :func:`megatron.training_ext.local_tier.async_save.wrap_maybe_finalize`."""
+    from megatron.training_ext.local_tier import async_save
+
+    return async_save.wrap_maybe_finalize(upstream)
+
+
+_WHY_ASYNC = (
+    "an asynchronous local save (--async-save) stays in this process: a background thread "
+    "writes it, the training loop finalizes it once done on every rank"
+)
 
 
 class LocalTier(Component[TierState]):
@@ -79,6 +107,21 @@ class LocalTier(Component[TierState]):
             "megatron.core.rerun_state_machine.RerunStateMachine.validate_result",
             wrap_validate_result,
             "a NaN/Inf loss inside the NaN window marks the local tier bad instead of a rerun",
+        ),
+        Patch("megatron.training.checkpointing.schedule_async_save", route_schedule, _WHY_ASYNC),
+        Patch(
+            "megatron.training.async_utils.maybe_finalize_async_save",
+            wrap_maybe_finalize,
+            _WHY_ASYNC,
+        ),
+        Patch(
+            "megatron.training.training.maybe_finalize_async_save",
+            alias_of(
+                "megatron.training.async_utils.maybe_finalize_async_save",
+                only_if_same=True,
+                otherwise=wrap_maybe_finalize,
+            ),
+            _WHY_ASYNC + " (train()'s binding)",
         ),
     )
 
@@ -121,6 +164,21 @@ class LocalTier(Component[TierState]):
                 f"{RERUN_EXIT_CODES}"
             )
         return problems
+
+    def install(self, args: Any = None):
+        """As :meth:`Component.install`; a reinstall (a new attempt in the same process) first
+        stops the background thread of the previous attempt's asynchronous local saves."""
+        if self.state is not None:
+            self.stopped(self.state)
+        return super().install(args)
+
+    def stopped(self, state: TierState) -> None:
+        """Stop the background thread of asynchronous local saves (its unfinalized saves are
+        left as a crash leaves them: the previous complete local checkpoint stays usable)."""
+        writer, state.async_writer = state.async_writer, None
+        state.async_pending.clear()
+        if writer is not None:
+            writer.close()
 
     def started(self, state: TierState) -> None:
         logger.debug(

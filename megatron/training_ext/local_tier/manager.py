@@ -6,7 +6,9 @@ execution (:mod:`.execute`, the collectives the plan needs).
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import socket
 import time
 import uuid
@@ -72,6 +74,18 @@ def _write_error_text(directory, ckpt_id, state_dict, e: Exception) -> str:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         what = "No space left on device"
     return f"rank {process_rank()} could not write {directory} ({what}: {room})"
+
+
+def _no_host_clone(state_dict) -> None:
+    """A synchronous save writes the tensors before it returns, so NVRx's
+    ``copy_tensors_to_cpu`` need not clone the host tensors first (a copy of the whole shard per
+    save; it keeps the device-to-host copy of device tensors): mark them as copies already."""
+    try:
+        for sh in state_dict._sharded_tensors:
+            if sh.data is not None and sh.data.device.type == "cpu":
+                sh.orig_device = "cpu"
+    except AttributeError:  # not an MCoreTensorAwareStateDict: NVRx clones as before
+        pass
 
 
 class ValidatedLocalCheckpointManager(LocalCheckpointManager):
@@ -152,6 +166,25 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
 
     def save(self, state_dict, iteration, is_async=False):
         generation = self._agree_generation()
+        self._first_save()
+        if is_async:
+            return self._save_async(state_dict, iteration, generation)
+        self._mark(state_dict, finite_flags(list(state_dict.tensors)), iteration, generation)
+        _no_host_clone(state_dict)
+        self._write_error = None
+        self._saving_iteration = iteration
+        try:
+            return super().save(state_dict, iteration, is_async)
+        except CheckpointingException as e:  # raised by the finalization on every rank together
+            errors = [w for w in gather_objects(self._write_error) if w is not None]
+            if not errors:
+                raise
+            self._skip_failed_save(iteration, errors, e)
+            return None
+
+    def _first_save(self) -> None:
+        """Before the first save of this process: release what the load held, remove leftovers
+        of an interrupted save."""
         if not self._saved:
             self._saved = True
             self._resolution = None  # release what the load held
@@ -162,16 +195,13 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                     f"removed {len(removed)} leftover(s) of an interrupted save: "
                     f"{', '.join(removed)}",
                 )
-        tensors = list(state_dict.tensors)
+
+    def _mark(self, state_dict, finite: list, iteration: int, generation: str) -> None:
+        """Attach the finiteness flags and the identity record (both travel to every replica)."""
         setattr(
             state_dict,
             FINITE_ATTR,
-            {
-                "format": FINITE_FORMAT,
-                "version": 1,
-                "owner_rank": process_rank(),
-                "finite": finite_flags(tensors),
-            },
+            {"format": FINITE_FORMAT, "version": 1, "owner_rank": process_rank(), "finite": finite},
         )
         run_id, source, settings, topo = self._identity_parts()
         setattr(
@@ -188,16 +218,109 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
                 socket.gethostname(),
             ),
         )
+
+    def _save_async(self, state_dict, iteration: int, generation: str):
+        """``--async-save``: snapshot the tensors (and those the state digest reads) into a
+        staging slot and the rest of the state dict (pickled), queue the background work
+        (:meth:`_write_async`), return the request upstream schedules
+        (:class:`~.async_save.LocalAsyncRequest`)."""
+        from megatron.training_ext.local_tier import async_save
+        from megatron.training_ext.resume_proof.hooks import take_deferred_digest
+
+        t0 = time.perf_counter()
+        tier = COMPONENT.state
+        if tier.async_writer is None:  # collective: every rank's first asynchronous save
+            tier.async_writer = async_save.AsyncLocalWriter(self.repl_strategy)
+        writer = tier.async_writer
+        digest = take_deferred_digest()
+        tensors = list(state_dict.tensors)
+        extra = digest.tensors() if digest is not None else []
+        t1 = time.perf_counter()
+        slot = writer.slot_for(iteration)
+        t2 = time.perf_counter()
+        staged = slot.stage(tensors + extra)
+        t3 = time.perf_counter()
+        if digest is not None:
+            digest.bind(staged[len(tensors) :])
+        state_dict.pop_tensors()
+        job = async_save.AsyncJob(
+            iteration,
+            slot,
+            self._write_async,
+            payload={
+                "hollow": pickle.dumps(state_dict, protocol=pickle.HIGHEST_PROTOCOL),
+                "tensors": staged[: len(tensors)],
+                "digest": digest,
+                "generation": generation,
+                "writer": writer,
+            },
+        )
+        writer.submit(job)
+        t4 = time.perf_counter()
+        if logger.isEnabledFor(10):  # DEBUG
+            logger.debug(
+                f"async save {iteration}: setup {1e3 * (t1 - t0):.1f} ms, "
+                f"slot {1e3 * (t2 - t1):.1f} ms, stage {1e3 * (t3 - t2):.1f} ms "
+                f"({slot.nbytes / 1e6:.1f} MB), hollow {1e3 * (t4 - t3):.1f} ms",
+            )
+        return async_save.LocalAsyncRequest(job, self._finalize_async)
+
+    def _write_async(self, job) -> None:
+        """Background thread: the state digest (exchanged over the writer's gloo group), the
+        finiteness flags and checksums of the snapshot, replication (over the writer's gloo
+        cliques), the write. A failure is left in ``job.error`` for the finalization."""
+        from megatron.training_ext.resume_proof.digest import finish_deferred
+        from megatron.training_ext.resume_proof.exchange import DigestExchange, DigestUnavailable
+        from megatron.training_ext.resume_proof.hooks import STATE_KEY
+
+        p, it = job.payload, job.iteration
+        writer = p["writer"]
+        state_dict = pickle.loads(p["hollow"])
+        state_dict.insert_tensors(p["tensors"])
+        if p["digest"] is not None:
+            if getattr(writer, "exchange", None) is None:
+                writer.exchange = DigestExchange(group=writer.world_group)
+            try:
+                record = finish_deferred(p["digest"], writer.exchange)
+                record.pop("seconds", None)
+                state_dict.common[STATE_KEY] = json.dumps(record)
+            except DigestUnavailable as e:  # saved without a digest: its load is not proven
+                rank_line("[resume-proof]", f"iteration {it}: no state digest for this save ({e})")
+        self._mark(state_dict, finite_flags(p["tensors"]), it, p["generation"])
+        ckpt_id = self._ckpt_id(it)
+        if writer.repl_strategy is not None:
+            hollows, ids = writer.repl_strategy.replicate(state_dict, ckpt_id)
+            items = list(zip(ids, hollows))
+        else:
+            items = [(ckpt_id, state_dict)]
         self._write_error = None
-        self._saving_iteration = iteration
-        try:
-            return super().save(state_dict, iteration, is_async)
-        except CheckpointingException as e:  # raised by the finalization on every rank together
-            errors = [w for w in gather_objects(self._write_error) if w is not None]
-            if not errors:
-                raise
-            self._skip_failed_save(iteration, errors, e)
-            return None
+        for cid, sd in items:
+            self._save(sd, cid)
+            if self._write_error is not None:
+                job.error = self._write_error
+                return
+
+    def _finalize_async(self, job, failed: bool) -> bool:
+        """Every rank, training loop, once every rank's background work of ``job`` is done (in
+        save order). Success: the older local checkpoints go (:meth:`_cleanup`). Failure on any
+        rank: every rank removes its files of the iteration and says so as a synchronous save
+        does; the previous local checkpoint stays. Returns whether the save succeeded."""
+        it = job.iteration
+        if failed:
+            errors = [e for e in gather_objects(job.error) if e]
+            self._cleanup_failed_save(it)
+            self._skip_failed_save(
+                it,
+                errors,
+                CheckpointingException(
+                    f"Failure during saving local checkpoint from iteration {it} (asynchronous)"
+                ),
+            )
+            return False
+        self._cleanup(it)
+        self.latest_iteration = it
+        logger.debug("asynchronous local save of iteration %d: background %.3f s", it, job.seconds)
+        return True
 
     def _skip_failed_save(self, iteration: int, errors: List[str], e: Exception) -> None:
         """Every rank, after a local save that some rank could not write (NVRx removed the files of

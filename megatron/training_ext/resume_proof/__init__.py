@@ -85,6 +85,8 @@ class ResumeProofState:
         mode: ``error`` (a differing load stops every rank) or ``warn``.
         pending: the digest record of the save in progress (``None`` outside a save).
         written: whether ``pending`` was written into the save's iteration directory.
+        deferred: the digest share of the asynchronous local save in progress, its sums not
+            computed yet (the local tier's background thread finishes it from the snapshot).
         loaded: ``(record or None, checkpoint name, checkpoint type)`` of what the last
             ``_load_base_checkpoint`` read, until ``load_checkpoint`` returns.
         deferred: ``(bound arguments, result, loaded)`` of the last ``load_checkpoint`` whose
@@ -96,6 +98,7 @@ class ResumeProofState:
     mode: str = "error"
     pending: Optional[dict] = None
     written: bool = False
+    deferred: Any = None
     loaded: Optional[Tuple[Optional[dict], Any, Any]] = None
     deferred: Optional[Tuple[Any, Any, Any]] = None
     exchange: DigestExchange = field(default_factory=DigestExchange)

@@ -26,7 +26,14 @@ from megatron.integrity.digest import state as sd
 from megatron.training_ext.console import process_rank
 from megatron.training_ext.resume_proof.exchange import DigestExchange, Share
 
-__all__ = ["FORMAT", "PartialDigest", "digest_training_state", "no_torch_function"]
+__all__ = [
+    "FORMAT",
+    "DeferredDigest",
+    "PartialDigest",
+    "deferred_training_state",
+    "digest_training_state",
+    "no_torch_function",
+]
 
 FORMAT = digest_record.RECORD_FORMAT
 _MASK = (1 << 64) - 1
@@ -58,6 +65,82 @@ class PartialDigest:
         old = self.meta.setdefault(key, meta)
         if old != meta:
             raise RuntimeError(f"resume proof: tensor {key!r} described twice: {old} vs {meta}")
+
+    def block_sum(self, data: torch.Tensor, goff, gshape) -> Any:
+        """:func:`megatron.integrity.digest.state.block_sum` of a block (a deferred digest
+        records it instead)."""
+        return sd.block_sum(data, goff, gshape)
+
+    def range_sum(self, data: torch.Tensor, lo: int, hi: int, lshape, goff, gshape, values) -> Any:
+        """:func:`megatron.integrity.digest.state.range_sum` of a range (a deferred digest records
+        it instead)."""
+        return sd.range_sum(data, lo, hi, lshape, goff, gshape, values=values)
+
+
+@dataclass
+class _Sum:
+    """A recorded block or range sum: ``fn(*args, values=values)`` with the tensors replaceable
+    (by their snapshot)."""
+
+    fn: Any
+    data: torch.Tensor
+    args: tuple
+    values: Optional[torch.Tensor] = None
+
+    def __call__(self) -> int:
+        if self.fn is sd.block_sum:
+            return sd.block_sum(self.data, *self.args)
+        return sd.range_sum(self.data, *self.args, values=self.values)
+
+
+@dataclass
+class DeferredDigest(PartialDigest):
+    """A :class:`PartialDigest` whose sums are recorded, not computed: the tensors they read
+    (:meth:`tensors`) can be replaced by a snapshot of them (:meth:`bind`) and summed later, off
+    the training loop (:meth:`evaluate`). The share's other parts (RNG digests, scalars) are
+    taken when it is made."""
+
+    recorded: List[Tuple[str, _Sum]] = field(default_factory=list)
+    iteration: int = 0
+    share: Optional[tuple] = None  # (rng, scalars, error) of :func:`deferred_training_state`
+    args: Any = None
+
+    def block_sum(self, data, goff, gshape) -> Any:
+        return _Sum(sd.block_sum, data, (goff, gshape))
+
+    def range_sum(self, data, lo, hi, lshape, goff, gshape, values) -> Any:
+        return _Sum(sd.range_sum, data, (lo, hi, lshape, goff, gshape), values)
+
+    def add(self, key: str, value: Any, shape, dtype, kind: str) -> None:
+        if isinstance(value, _Sum):
+            self.recorded.append((key, value))
+            value = 0
+        super().add(key, value, shape, dtype, kind)
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The tensors the recorded sums read, in order (``data``, then ``values`` if any)."""
+        out: List[torch.Tensor] = []
+        for _, s in self.recorded:
+            out.append(s.data)
+            if s.values is not None:
+                out.append(s.values)
+        return out
+
+    def bind(self, tensors: List[torch.Tensor]) -> None:
+        """Replace the recorded tensors by ``tensors`` (same order and shapes as
+        :meth:`tensors`: their snapshot)."""
+        it = iter(tensors)
+        for _, s in self.recorded:
+            s.data = next(it)
+            if s.values is not None:
+                s.values = next(it)
+
+    def evaluate(self) -> None:
+        """Compute the recorded sums into :attr:`sums` (releases the tensors)."""
+        with torch.no_grad(), no_torch_function():
+            for key, s in self.recorded:
+                self.sums[key] = (self.sums.get(key, 0) + s()) & _MASK
+        self.recorded = []
 
 
 def _sharded_metadata(model: List[Any], args: Any) -> List[Any]:
@@ -135,7 +218,7 @@ def _add_model(shs: List[Any], acc: PartialDigest) -> None:
         for part, _ in _blocks(sh, sh.data):
             _lshape, goff, gshape = _place(part)
             acc.add(
-                part.key, sd.block_sum(part.data, goff, gshape), gshape, part.data.dtype, "model"
+                part.key, acc.block_sum(part.data, goff, gshape), gshape, part.data.dtype, "model"
             )
 
 
@@ -173,14 +256,14 @@ def _add_distributed_optimizer(opt: Any, part_map: Dict[int, Any], acc: PartialD
                 lo, hi = max(rng.start, off), min(rng.end, off + n)
                 lshape, goff, gshape = _place(part)
                 if lo < hi:
-                    v = sd.range_sum(
+                    v = acc.range_sum(
                         part.data,
                         lo - off,
                         hi - off,
                         lshape,
                         goff,
                         gshape,
-                        values=flat[lo - rng.start : hi - rng.start],
+                        flat[lo - rng.start : hi - rng.start],
                     )
                 else:
                     v = 0
@@ -221,14 +304,8 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: PartialDigest)
                     continue
                 lshape, goff, gshape = _place(part)
                 n = part.data.numel()
-                v = sd.range_sum(
-                    part.data,
-                    0,
-                    n,
-                    lshape,
-                    goff,
-                    gshape,
-                    values=value.reshape(-1)[off : off + n],
+                v = acc.range_sum(
+                    part.data, 0, n, lshape, goff, gshape, value.reshape(-1)[off : off + n]
                 )
                 acc.add(key, v, gshape, value.dtype, "optimizer")
 
@@ -369,19 +446,24 @@ def _add_tensors(model: List[Any], optimizer: Any, args: Any, acc: PartialDigest
 
 
 def _local_share(
-    model: List[Any], optimizer: Any, opt_param_scheduler: Any, args: Any, iteration: int
+    model: List[Any],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    args: Any,
+    iteration: int,
+    acc: Optional[PartialDigest] = None,
 ) -> Share:
     """This rank's share of the digest (see :meth:`DigestExchange.exchange`); a failure is carried
-    in it as text, so that no rank is left alone in the exchange's collective."""
+    in it as text, so that no rank is left alone in the exchange's collective. ``acc``: where the
+    sums go (a :class:`DeferredDigest` records them)."""
     from megatron.core.utils import unwrap_model
 
     error = None
-    acc = PartialDigest()
+    acc = PartialDigest() if acc is None else acc
     rng: Dict[str, str] = {}
     scalars: dict = {}
     try:  # local work only: a failure is exchanged, so no rank is left in a collective
         rng = _rng_digest()  # first: nothing below may draw from a stream before it is recorded
-        acc = PartialDigest()
         model = unwrap_model(model)  # as upstream's save_checkpoint / load_checkpoint do
         _add_tensors(model, optimizer, args, acc)
         scalars = {
@@ -429,8 +511,50 @@ def digest_training_state(
     """
     t0 = time.perf_counter()
     mine = _local_share(model, optimizer, opt_param_scheduler, args, iteration)
+    return _record(mine, exchange or DigestExchange(), args, iteration, t0)
+
+
+def deferred_training_state(
+    model: List[Any], optimizer: Any, opt_param_scheduler: Any, args: Any, iteration: int
+) -> Optional[DeferredDigest]:
+    """This rank's share of the state digest with its sums recorded, not computed (no
+    collective): the RNG digests and scalars are taken now; the tensors the sums read are
+    :meth:`DeferredDigest.tensors`, to snapshot and :meth:`~DeferredDigest.bind`; then
+    :func:`finish_deferred` (collective). ``None`` under ``fsdp_dtensor`` (its digest needs
+    collectives of the training loop: digest synchronously)."""
+    if getattr(args, "ckpt_format", None) == "fsdp_dtensor":
+        return None
+    acc = DeferredDigest()
+    mine = _local_share(model, optimizer, opt_param_scheduler, args, iteration, acc=acc)
+    acc.share = (mine[3], mine[4], mine[5])
+    acc.args = args
+    acc.iteration = int(iteration)
+    return acc
+
+
+def finish_deferred(deferred: DeferredDigest, exchange: DigestExchange) -> dict:
+    """The state digest record of a :class:`DeferredDigest` (collective over ``exchange``'s
+    group: every rank calls, in the same order); as :func:`digest_training_state`.
+
+    Raises:
+        DigestUnavailable: as :func:`digest_training_state`.
+    """
+    t0 = time.perf_counter()
+    error = deferred.share[2]
+    if error is None:
+        try:
+            deferred.evaluate()
+        except Exception as e:  # noqa: BLE001 - exchanged, so no rank is left alone
+            error = f"rank {process_rank()}: {type(e).__name__}: {e}"
+    rng, scalars, _ = deferred.share
+    mine = (deferred.sums, deferred.meta, deferred.skipped, rng, scalars, error)
+    return _record(mine, exchange, deferred.args, deferred.iteration, t0)
+
+
+def _record(mine: Share, exchange: DigestExchange, args: Any, iteration: int, t0: float) -> dict:
+    """Combine the ranks' shares (collective) into the record."""
     scalars = mine[4]
-    sums, meta, skipped, rngs, steps = (exchange or DigestExchange()).exchange(mine)
+    sums, meta, skipped, rngs, steps = exchange.exchange(mine)
     tensors = {}
     for key in sorted(sums):
         shape, dtype, kind = meta[key]

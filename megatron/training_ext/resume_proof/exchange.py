@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -143,8 +143,9 @@ class DigestExchange:
             the first one, and without a process group).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self.slots: Optional[Slots] = None
+        self.group = group  # None: the default group (world); else a gloo group of the world
 
     def gather_all(self, mine: Share) -> Combined:
         """Every rank's share by ``all_gather_object``, whatever :attr:`slots` holds (what the
@@ -158,7 +159,9 @@ class DigestExchange:
         import torch.distributed as dist
 
         distributed = dist.is_initialized()
-        gathered = all_gather_object((mine, fingerprint(mine) if distributed else ""))
+        gathered = all_gather_object(
+            (mine, fingerprint(mine) if distributed else ""), group=self.group
+        )
         combined = _combine(gathered)
         if distributed:
             self.slots = Slots(
@@ -197,14 +200,19 @@ class DigestExchange:
         import torch.distributed as dist
 
         slots = self.slots
-        if not dist.is_initialized() or slots is None or slots.world != dist.get_world_size():
+        if (
+            not dist.is_initialized()
+            or slots is None
+            or slots.world != dist.get_world_size(self.group)
+        ):
             return self.gather_all(mine)
         error = mine[5]
-        t = torch.tensor(_vector(slots, mine), dtype=torch.int64, device=_exchange_device())
-        dist.all_reduce(t)
+        device = torch.device("cpu") if self.group is not None else _exchange_device()
+        t = torch.tensor(_vector(slots, mine), dtype=torch.int64, device=device)
+        dist.all_reduce(t, group=self.group)
         total = t.tolist()
         if total[0]:  # every rank is here: gather the failures' texts
-            errors = all_gather_object(error)
+            errors = all_gather_object(error, group=self.group)
             raise DigestUnavailable("; ".join([e for e in errors if e][:4]))
         if total[1]:
             return self.gather_all(mine)

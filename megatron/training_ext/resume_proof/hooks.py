@@ -22,7 +22,10 @@ from megatron.integrity.digest import record as digest_record
 from megatron.overlay import OverlayError, Patch, alias_of, wraps_upstream
 from megatron.training_ext.console import process_rank, rank0_line
 from megatron.training_ext.resume_proof.compare import compare, grouped
-from megatron.training_ext.resume_proof.digest import digest_training_state
+from megatron.training_ext.resume_proof.digest import (
+    deferred_training_state,
+    digest_training_state,
+)
 from megatron.training_ext.resume_proof.exchange import DigestUnavailable
 
 if TYPE_CHECKING:
@@ -126,15 +129,20 @@ def _wrap_save_checkpoint(orig):
         ba = sig.bind(*a, **kw)
         ba.apply_defaults()
         args = checkpointing.get_args()
+        st.deferred = None
+        parts = (
+            ba.arguments["model"],
+            ba.arguments["optimizer"],
+            ba.arguments["opt_param_scheduler"],
+            args,
+            ba.arguments["iteration"],
+        )
         try:
-            st.pending = digest_training_state(
-                ba.arguments["model"],
-                ba.arguments["optimizer"],
-                ba.arguments["opt_param_scheduler"],
-                args,
-                ba.arguments["iteration"],
-                exchange=st.exchange,
-            )
+            if _async_local_save(args, ba.arguments):  # digested from the snapshot, off the loop
+                st.pending = None
+                st.deferred = deferred_training_state(*parts)
+            if st.deferred is None:
+                st.pending = digest_training_state(*parts, exchange=st.exchange)
         except (
             DigestUnavailable
         ) as e:  # the save goes ahead, without a digest (its load: not proven)
@@ -149,9 +157,31 @@ def _wrap_save_checkpoint(orig):
                     write_pending(name)
             return result
         finally:
-            st.pending = None
+            st.pending = st.deferred = None
 
     return save_checkpoint
+
+
+def _async_local_save(args: Any, arguments: Dict[str, Any]) -> bool:
+    """An asynchronous local save of the validated local tier (``--async-save`` with local
+    checkpoints and validation on): its digest is taken from the snapshot in the tier's
+    background thread (``take_deferred_digest``)."""
+    return bool(
+        arguments.get("non_persistent_ckpt")
+        and getattr(args, "non_persistent_ckpt_type", None) == "local"
+        and getattr(args, "async_save", False)
+        and getattr(args, "local_tier_validation", True)
+    )
+
+
+def take_deferred_digest():
+    """The deferred digest (:class:`~.digest.DeferredDigest`) of the asynchronous local save in
+    progress, once (the local tier's save takes it), else ``None``."""
+    st = proof_state()
+    if st is None:
+        return None
+    deferred, st.deferred = getattr(st, "deferred", None), None
+    return deferred
 
 
 def _wrap_generate_state_dict(orig):

@@ -52,14 +52,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_async_save_with_local_checkpoints_is_refused():
+def test_async_save_with_upstreams_local_tier_is_refused_and_with_the_validated_one_allowed():
+    """Upstream's local tier (``--no-local-tier-validation``) would hand its save to the
+    persistent worker (``TypeError`` at the first local save); the validated tier saves
+    asynchronously in a background thread."""
     with pytest.raises(
         SystemExit,
-        match="--async-save with --non-persistent-ckpt-type local is not supported.*cannot pickle",
+        match="--async-save with --non-persistent-ckpt-type local and --no-local-tier-validation "
+        "is not supported.*cannot pickle",
     ):
         validate_fork_args(
-            _parser().parse_args(["--async-save", "--non-persistent-ckpt-type", "local"])
+            _parser().parse_args(
+                [
+                    "--async-save",
+                    "--non-persistent-ckpt-type",
+                    "local",
+                    "--no-local-tier-validation",
+                ]
+            )
         )
+    validate_fork_args(
+        _parser().parse_args(["--async-save", "--non-persistent-ckpt-type", "local"])
+    )
     validate_fork_args(_parser().parse_args(["--async-save"]))
     validate_fork_args(_parser().parse_args(["--non-persistent-ckpt-type", "local"]))
 
