@@ -23,7 +23,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["METADATA_FNAME", "DcpMetadataError", "read_dcp_metadata", "read_metadata"]
+__all__ = [
+    "METADATA_FNAME",
+    "DcpMetadataError",
+    "read_dcp_metadata",
+    "read_metadata",
+    "restricted_reader",
+]
 
 METADATA_FNAME = ".metadata"
 """File name of DCP's metadata in a ``torch_dist`` iteration directory."""
@@ -68,6 +74,19 @@ def read_metadata(reader: "FileSystemReader", rank: Optional[int] = None) -> "Me
     return metadata
 
 
+def restricted_reader(checkpoint_dir: Union[str, os.PathLike]) -> "FileSystemReader":
+    """A ``torch.distributed.checkpoint.FileSystemReader`` over ``checkpoint_dir`` whose
+    ``read_metadata`` is :func:`read_metadata` (for a ``dcp.load`` outside training, where the
+    persistent tier's patches are not installed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class RestrictedFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return read_metadata(self, kwargs.get("rank"))
+
+    return RestrictedFileSystemReader(str(checkpoint_dir))
+
+
 def read_dcp_metadata(
     checkpoint_dir: Union[str, os.PathLike], reader: Optional["FileSystemReader"] = None
 ) -> "Metadata":
@@ -100,7 +119,7 @@ def read_dcp_metadata(
         if reader is None:
             from torch.distributed.checkpoint import FileSystemReader
 
-            reader = FileSystemReader(str(checkpoint_dir))
+            reader = FileSystemReader(str(checkpoint_dir))  # read_metadata below is restricted
         return read_metadata(reader)
     except Exception as e:  # any unpickling error means the same: a damaged file
         if isinstance(e, FileNotFoundError) and not path.exists():

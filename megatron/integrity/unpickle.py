@@ -174,9 +174,8 @@ class UnsafeCheckpointError(OverlayError, pickle.UnpicklingError):
         self.path = str(path)
         self.global_name = global_name
         super().__init__(
-            f"{self.path} names {global_name}, which no checkpoint writer known to this fork "
-            f"stores: not loaded (it could run code); if you wrote it and trust it, "
-            f"{UNRESTRICTED_FLAG} loads it unrestricted"
+            f"{self.path} names {global_name}, outside the unpickling allowlist: not loaded "
+            f"({UNRESTRICTED_FLAG} loads files you trust)"
         )
 
     def __reduce__(self):  # travels between ranks (DCP gathers the failures of every rank)
