@@ -63,16 +63,12 @@ ALLOWLIST: Dict[str, str] = {
     "torch.serialization._get_layout": _DCP + " (TensorProperties.layout)",
     "collections.OrderedDict": _TORCH + " (module state dicts)",
     "_codecs.encode": "pickle protocol 2: bytes and numpy buffers (every writer)",
-    "builtins.set": "plain containers (args values, optimizer param groups)",
-    "builtins.frozenset": "plain containers (args values)",
+    "builtins.set": "plain containers (args values; harmless data, kept for custom args)",
+    "builtins.frozenset": "plain containers (args values; harmless data, kept for custom args)",
     "builtins.slice": _CORE + ": ShardedTensor.flattened_range (distributed optimizer)",
-    "builtins.complex": "plain numbers",
-    "builtins.bytearray": "plain bytes",
     # numpy (the numpy RNG state of every checkpoint)
     "numpy._core.multiarray._reconstruct": _CORE + ": numpy RNG state (numpy >= 2)",
     "numpy.core.multiarray._reconstruct": _CORE + ": numpy RNG state (numpy < 2)",
-    "numpy._core.multiarray.scalar": "numpy scalars in args or RNG state (numpy >= 2)",
-    "numpy.core.multiarray.scalar": "numpy scalars in args or RNG state (numpy < 2)",
     "numpy.ndarray": _CORE + ": numpy RNG state",
     "numpy.dtype": _CORE + ": numpy RNG state",
     "numpy.dtypes.UInt32DType": _CORE + ": numpy RNG state (megatron-core's SAFE_GLOBALS)",
@@ -80,7 +76,6 @@ ALLOWLIST: Dict[str, str] = {
     "argparse.Namespace": _ARGS,
     "types.SimpleNamespace": _CORE + " (SAFE_GLOBALS)",
     "pathlib.PosixPath": _ARGS + "; megatron-fsdp .metadata (storage_meta.checkpoint_id)",
-    "pathlib.WindowsPath": _ARGS + " (written on Windows)",
     "signal.Signals": _ARGS + " (--exit-signal)",
     "io.BytesIO": _CORE + " (SAFE_GLOBALS: byte objects)",
     "megatron.core.enums.ModelType": _ARGS,
@@ -198,11 +193,22 @@ class _Refused(pickle.UnpicklingError):
         self.global_name = global_name
 
 
+def _py3_name(module: str, name: str) -> tuple:
+    """Python 3's name of a global a protocol 0-2 pickle names the Python 2 way
+    (``__builtin__.set`` -> ``builtins.set``), as ``pickle.Unpickler.find_class`` maps it."""
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose ``find_class`` imports only :data:`ALLOWLIST` globals (raises
     before importing anything else)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = _py3_name(module, name)
         full = f"{module}.{name}"
         if not allowed(full):
             raise _Refused(full)
@@ -214,6 +220,7 @@ class _NoTensorUnpickler(RestrictedUnpickler):
     (no storage read)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = _py3_name(module, name)
         if module == "torch" and name in _storage_names():
             return None  # a storage's type in a persistent id: no storage is read
         if module in ("torch._utils", "torch._tensor") and name.startswith("_rebuild"):

@@ -55,7 +55,9 @@ def _wrap_load_checkpoint(orig, get_args):
                         return orig(*args, **kwargs)
                     except CheckpointIntegrityError:
                         raise
-                    except Exception as x:
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except BaseException as x:  # DCP's CheckpointException is a BaseException
                         failed_ckpt = _as_integrity_error(x, load_dir, margs)
                         if failed_ckpt is None:
                             raise

@@ -71,16 +71,16 @@ def find_unsafe(e: BaseException) -> Optional[unpickle.UnsafeCheckpointError]:
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
-        if x is None or id(x) in seen:
+        if not isinstance(x, BaseException) or id(x) in seen:
             continue
         seen.add(id(x))
         if isinstance(x, unpickle.UnsafeCheckpointError):
             return x
-        todo += [x.__cause__, x.__context__, getattr(x, "exc", None)]
-        failures = getattr(x, "failures", None)
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch DCP: rank -> (exception, traceback)
         if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
-            todo += [getattr(f, "exc", None) for f in failures.values()]
+            for f in failures.values():
+                todo += list(f) if isinstance(f, tuple) else [f]
     return None
 
 
