@@ -6,7 +6,7 @@ One base run writes persistent ``torch_dist`` checkpoints at 5 and 10 and local 
 importing the module or calling what the file names creates a marker file) replace files of copies
 of it: a local primary and a replica (repaired / rejected; the resume at 13 is bitwise); a
 ``common.pt`` in persistent 10 (it fails, the load falls back to 5; bitwise); the ``.metadata`` of
-10 with a crafted ``common.pt`` in 5 (both fail: one error naming both); and
+10 with a crafted byte object in 5 (both fail: one error naming both); and
 ``tools/verify_checkpoint.py`` / ``tools/check_state_digest.py`` report each.
 A world-writable local directory is refused at start. Every checkpoint format the suite writes
 (``torch_dist``, local with replication, distributed optimizer, ``--ckpt-format torch``,
@@ -136,22 +136,23 @@ def test_crafted_common_pt_falls_back_to_the_previous_checkpoint(
     assert_bitwise_equal(straight_16_exit_14, run.losses, range(6, 15))
 
 
-def test_crafted_metadata_falls_back_and_every_failure_is_named(base, tmp_path):
-    """Persistent 10's ``.metadata`` and 5's ``common.pt`` are crafted: 10 fails, the load falls
-    back to 5, which fails too; the run stops naming both, having run neither."""
+def test_crafted_metadata_and_byte_object_fall_back_and_every_failure_is_named(base, tmp_path):
+    """Persistent 10's ``.metadata`` and 5's ``common_state`` byte object (read through DCP, whose
+    ``CheckpointException`` carries the failure) are crafted: 10 fails, the load falls back to 5,
+    which fails too; the run stops naming both, having run neither."""
     work = persistent_copy(base, tmp_path / "work")
     marker = tmp_path / "MARKER"
     pb.dcp_metadata(ckpt(work, 10) / ".metadata", marker)
-    pb.torch_file(ckpt(work, 5) / "common.pt", marker)
+    pb.dcp_byte_object(ckpt(work, 5), "common_state/shard_0_1", marker)
     run = resume(work, marker, local=False, check=False)
     assert pb.ran(marker) == []
     assert run.returncode != 0 and not run.losses
     out = run.output
     assert "iter_0000010 failed verification" in out and f"names {FIRE}" in out, out[-4000:]
-    assert "falling back to the previous complete checkpoint, iter_0000005" in out
-    assert (
-        f"common.pt: names {FIRE}" in out and "earlier checkpoints also failed: iter_0000010" in out
-    )
+    assert "falling back to the previous complete checkpoint, iter_0000005" in out, out[-4000:]
+    assert "iter_0000005 failed verification (restricted unpickling)" in out, out[-4000:]
+    assert "the DCP byte object 'common_state/shard_0_1': names " + FIRE in out, out[-4000:]
+    assert "earlier checkpoints also failed: iter_0000010" in out
 
 
 def test_verifier_reports_crafted_files_and_never_runs_them(base, tmp_path, capsys):

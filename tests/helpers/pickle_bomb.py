@@ -55,3 +55,27 @@ def dcp_metadata(path: str | os.PathLike, marker: str | os.PathLike) -> Path:
 def ran(marker: str | os.PathLike) -> list[str]:
     """Which of ``marker`` (called) and ``marker.imported`` (imported) exist."""
     return [p for p in (str(marker), f"{marker}.imported") if os.path.exists(p)]
+
+
+def dcp_byte_object(checkpoint_dir: str | os.PathLike, key: str, marker: str | os.PathLike) -> Path:
+    """Make the byte object ``key`` of a DCP checkpoint a crafted ``torch.save`` blob: appended to
+    the data file that holds it, and ``.metadata`` (rewritten with plain pickle: the test's own
+    trusted copy) pointed at it. Returns the data file."""
+    import dataclasses
+    import io
+
+    import torch
+
+    md_path = Path(checkpoint_dir) / ".metadata"
+    md = pickle.loads(md_path.read_bytes())
+    index = next(i for i in md.storage_data if i.fqn == key)
+    info = md.storage_data[index]
+    blob = io.BytesIO()
+    torch.save([Bomb(marker)], blob)
+    data = Path(checkpoint_dir) / info.relative_path
+    offset = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(blob.getvalue())
+    md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob.getvalue()))
+    md_path.write_bytes(pickle.dumps(md))
+    return data
