@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from megatron.integrity import persistent_dirs
+from megatron.integrity import persistent_dirs, unpickle
 from megatron.integrity.manifest import CheckpointIntegrityError, FileProblem
 from megatron.overlay import Patch, alias_of, wraps_upstream
 from megatron.training_ext.console import rank0_line
@@ -103,7 +103,11 @@ def _as_integrity_error(x: Exception, load_dir, margs) -> Optional[CheckpointInt
         step = margs.ckpt_step or persistent_dirs.read_tracker(load_dir).iteration
         ckpt = Path(load_dir) / f"iter_{int(step or 0):07d}"
     name = os.path.relpath(where, ckpt) if ckpt in where.parents else unsafe.path
-    problem = FileProblem(name, f"names {unsafe.global_name}, outside the unpickling allowlist")
+    problem = FileProblem(
+        name,
+        f"names {unsafe.global_name}, outside the unpickling allowlist: not loaded "
+        f"({unpickle.UNRESTRICTED_FLAG} loads files you trust)",
+    )
     return CheckpointIntegrityError(ckpt, [problem], "restricted unpickling")
 
 
