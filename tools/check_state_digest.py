@@ -62,7 +62,8 @@ def check(checkpoint_dir: str, progress: bool = True) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron.integrity.dcp_metadata import read_dcp_metadata
+    from megatron.integrity import unpickle
+    from megatron.integrity.dcp_metadata import read_dcp_metadata, restricted_reader
     from megatron.integrity.digest import state as sd
     from megatron.integrity.digest.record import read_record
 
@@ -92,12 +93,12 @@ def check(checkpoint_dir: str, progress: bool = True) -> dict:
             (out["not_checked"] if want["kind"] == "optimizer" else out["missing"]).append(key)
             continue
         t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        dcp.load({key: t}, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
+        dcp.load({key: t}, storage_reader=restricted_reader(checkpoint_dir), no_dist=True)
         got = f"{sd.tensor_digest(t):016x}"
         (out["equal"] if got == want["digest"] else out["differ"]).append(key)
     common = os.path.join(checkpoint_dir, "common.pt")
     if os.path.isfile(common):
-        state = torch.load(common, map_location="cpu", weights_only=False)
+        state = unpickle.torch_load(common, map_location="cpu")
         saved = record.get("scalars", {})
         args = state.get("args")
         now = {
@@ -118,7 +119,16 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="iteration directory, or the --save root (its latest)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--unrestricted-unpickling",
+        action="store_true",
+        help="unpickle without the allowlist (megatron/integrity/unpickle.py): the files may run "
+        "code; only for checkpoints you wrote with code the allowlist does not know",
+    )
     a = p.parse_args(argv)
+    from megatron.integrity import unpickle
+
+    unpickle.POLICY.unrestricted = a.unrestricted_unpickling
     if not os.path.isdir(a.checkpoint):
         print(f"check_state_digest: {a.checkpoint}: not a directory", file=sys.stderr)
         return 2
@@ -129,7 +139,7 @@ def main(argv=None) -> int:
         return 2
     try:
         r = check(d, progress=not a.no_progress)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, unpickle.UnsafeCheckpointError) as e:
         print(f"check_state_digest: {e}", file=sys.stderr)
         return 2
     n = len(r["equal"]) + len(r["differ"])

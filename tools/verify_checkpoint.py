@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-rows", type=int, default=50, help="rows of tables / problems printed (all in --json)"
     )
     p.add_argument("--quiet", action="store_true", help="print only the RESULT line")
+    p.add_argument(
+        "--unrestricted-unpickling",
+        action="store_true",
+        help="unpickle without the allowlist (megatron/integrity/unpickle.py): the files may run "
+        "code; only for checkpoints you wrote with code the allowlist does not know",
+    )
     return p
 
 
@@ -169,7 +175,10 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    from megatron.integrity import unpickle
     from megatron.verify import CheckpointInputError, VerifyOptions, verify_checkpoint
+
+    unpickle.POLICY.unrestricted = args.unrestricted_unpickling
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None

@@ -16,13 +16,20 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
+from megatron.integrity import unpickle
 from megatron.integrity.persistent_dirs import CheckpointInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["METADATA_FNAME", "DcpMetadataError", "read_dcp_metadata"]
+__all__ = [
+    "METADATA_FNAME",
+    "DcpMetadataError",
+    "read_dcp_metadata",
+    "read_metadata",
+    "restricted_reader",
+]
 
 METADATA_FNAME = ".metadata"
 """File name of DCP's metadata in a ``torch_dist`` iteration directory."""
@@ -47,6 +54,39 @@ class DcpMetadataError(CheckpointInputError):
         self.missing = missing
 
 
+def read_metadata(reader: "FileSystemReader", rank: Optional[int] = None) -> "Metadata":
+    """What ``FileSystemReader.read_metadata`` returns (torch 2.14: ``pickle.load`` of
+    ``.metadata``, or ``__<rank>.metadata``, then ``storage_meta.load_id``), unpickled with the
+    restricted unpickler of :mod:`megatron.integrity.unpickle`.
+
+    Raises:
+        UnsafeCheckpointError: the file names a global outside the allowlist (nothing imported).
+        FileNotFoundError, pickle.UnpicklingError, EOFError, ...: as upstream.
+    """
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = reader._get_metadata_path(rank)
+    with reader.fs.create_stream(path, "rb") as f:
+        metadata = unpickle.pickle_load(f, what=str(path))
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = getattr(reader, "load_id", None)
+    return metadata
+
+
+def restricted_reader(checkpoint_dir: Union[str, os.PathLike]) -> "FileSystemReader":
+    """A ``torch.distributed.checkpoint.FileSystemReader`` over ``checkpoint_dir`` whose
+    ``read_metadata`` is :func:`read_metadata` (for a ``dcp.load`` outside training, where the
+    persistent tier's patches are not installed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class RestrictedFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return read_metadata(self, kwargs.get("rank"))
+
+    return RestrictedFileSystemReader(str(checkpoint_dir))
+
+
 def read_dcp_metadata(
     checkpoint_dir: Union[str, os.PathLike], reader: Optional["FileSystemReader"] = None
 ) -> "Metadata":
@@ -69,16 +109,18 @@ def read_dcp_metadata(
         DcpMetadataError: the file is absent (``missing=True``), or cannot be read or unpickled
             (``missing=False``; the original exception is its ``__cause__``).
 
-    Note: unpickling runs code named in the file, as loading the checkpoint does; read only
-    checkpoints you would load.
+    The file is unpickled by :func:`read_metadata` (restricted to the allowlist of
+    :mod:`megatron.integrity.unpickle`): a file naming any other global is a
+    :class:`DcpMetadataError` whose ``__cause__`` is the
+    :class:`~megatron.integrity.unpickle.UnsafeCheckpointError`; nothing it names is imported.
     """
     path = Path(checkpoint_dir) / METADATA_FNAME
     try:
         if reader is None:
             from torch.distributed.checkpoint import FileSystemReader
 
-            reader = FileSystemReader(str(checkpoint_dir))
-        return reader.read_metadata()
+            reader = FileSystemReader(str(checkpoint_dir))  # read_metadata below is restricted
+        return read_metadata(reader)
     except Exception as e:  # any unpickling error means the same: a damaged file
         if isinstance(e, FileNotFoundError) and not path.exists():
             raise DcpMetadataError(

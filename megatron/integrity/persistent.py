@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron.integrity import unpickle
 from megatron.integrity.dcp_metadata import DcpMetadataError, read_dcp_metadata  # re-exported
 from megatron.integrity.manifest import INTEGRITY_FNAME  # one definition (megatron-core's name)
 from megatron.integrity.persistent_dirs import (  # the first three re-exported
@@ -139,9 +140,9 @@ class PersistentCheckpoint:
     # ---- metadata ----------------------------------------------------------------------------
 
     def _iteration_from_common(self) -> Optional[int]:
-        if "common_state/shard_0_1" not in self.objects:
+        if _COMMON_KEY not in self.objects:
             return None
-        got = self.read_objects(["common_state/shard_0_1"])["common_state/shard_0_1"]
+        got = self.read_objects([_COMMON_KEY])[_COMMON_KEY]
         if isinstance(got, dict) and isinstance(got.get("iteration"), int):
             return got["iteration"]
         return None
@@ -328,6 +329,14 @@ class PersistentCheckpoint:
             )
         return results
 
+    def _object_name(self, key: str) -> str:
+        """``<dir>/<data file> (object '<key>')``: where a byte object lies, for errors."""
+        info = next(
+            (v for k, v in (self.metadata.storage_data or {}).items() if k.fqn == key), None
+        )
+        file = info.relative_path if info is not None else "?"
+        return f"{self.path / file} (object {key!r})"
+
     def read_objects(self, keys: Sequence[str]) -> Dict[str, Any]:
         """Read and unpickle byte objects (``ShardedObject`` / common state) by DCP key.
 
@@ -335,8 +344,8 @@ class PersistentCheckpoint:
             key -> object, or the ``Exception`` that reading / unpickling raised (``KeyError`` for a
             key not in the checkpoint).
 
-        Note: unpickling runs code named in the checkpoint (``torch.load(weights_only=False)``), as
-        loading the checkpoint for training does; verify only checkpoints you would load.
+        Objects are unpickled restricted to the allowlist of :mod:`megatron.integrity.unpickle`:
+        one naming any other global is an ``UnsafeCheckpointError`` here (nothing imported).
         """
         out: Dict[str, Any] = {}
         items = []
@@ -350,7 +359,9 @@ class PersistentCheckpoint:
         def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
             done.add(id(ri))
             try:
-                out[ri.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=False)
+                out[ri.dest_index.fqn] = unpickle.torch_load(
+                    value, map_location="cpu", what=self._object_name(ri.dest_index.fqn)
+                )
             except Exception as e:  # noqa: BLE001
                 out[ri.dest_index.fqn] = e
 
@@ -470,10 +481,16 @@ class PersistentCheckpoint:
 
         def load_bytes(ri: ReadItem, value: io.BytesIO) -> None:
             done.add(id(ri))
-            obj = torch.load(value, map_location="cpu", weights_only=False)
+            obj = unpickle.torch_load(
+                value, map_location="cpu", what=self._object_name(ri.dest_index.fqn)
+            )
             on_object(ri.dest_index.fqn, obj)
 
         return self._read(items, _CallbackPlanner(resolve, commit, load_bytes), done)
+
+
+_COMMON_KEY = "common_state/shard_0_1"
+"""DCP key of megatron-core's common state (the ``ShardedObject('common_state')``)."""
 
 
 def _whole_read_item(kind: LoadItemType, index: MetadataIndex, lengths: Sequence[int]) -> ReadItem:
@@ -489,3 +506,22 @@ def _whole_read_item(kind: LoadItemType, index: MetadataIndex, lengths: Sequence
         storage_offsets=zeros,
         lengths=torch.Size(lengths),
     )
+
+
+def read_common_state(checkpoint_dir: Union[str, os.PathLike]) -> Any:
+    """The common state of a ``torch_dist`` checkpoint, as upstream's ``load_common_state_dict``
+    returns it (a legacy ``common.pt``, else the ``common_state`` byte object), read by the
+    restricted unpickler (:mod:`megatron.integrity.unpickle`) without a process group and without
+    upstream's reader (usable before the persistent tier's patches are installed).
+
+    Raises:
+        UnsafeCheckpointError: a file names a global outside the allowlist (nothing imported).
+        DcpMetadataError, KeyError, OSError, ...: no readable common state.
+    """
+    legacy = Path(checkpoint_dir) / "common.pt"
+    if legacy.is_file():
+        return unpickle.torch_load(legacy, map_location="cpu")
+    got = PersistentCheckpoint(checkpoint_dir).read_objects([_COMMON_KEY])[_COMMON_KEY]
+    if isinstance(got, BaseException):
+        raise got
+    return got[0] if isinstance(got, (list, tuple)) else got

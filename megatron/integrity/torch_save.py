@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import re
 import struct
 import zipfile
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from megatron.integrity import unpickle
 
 __all__ = [
     "MapView",
@@ -173,7 +174,7 @@ def mapped_tensor(buf: Any, start: int, length: int) -> Optional[torch.Tensor]:
     shape, storage offset; no data read).
     """
     try:
-        meta = torch.load(MapView(buf, start, length), map_location="meta", weights_only=True)
+        meta = unpickle.torch_load(MapView(buf, start, length), map_location="meta")
         records = storage_records(MapView(buf, start, length))
     except Exception:  # noqa: BLE001 - anything unexpected: not a plain saved tensor
         return None
@@ -191,35 +192,15 @@ def mapped_tensor(buf: Any, start: int, length: int) -> Optional[torch.Tensor]:
     return raw.view(meta.dtype).reshape(tuple(meta.shape))
 
 
-class _NoTensorUnpickler(pickle.Unpickler):
-    """Unpickles ``data.pkl`` without creating any tensor: storages and tensor rebuilds become
-    ``None``; every other object is restored as usual."""
-
-    def find_class(self, module, name):
-        if module.startswith("torch") and name.startswith("_rebuild"):
-            return _no_tensor
-        return super().find_class(module, name)
-
-    def persistent_load(self, pid):
-        return None
-
-
-def _no_tensor(*args, **kwargs):
-    return None
-
-
 def load_without_tensors(path: Union[str, os.PathLike]) -> Any:
     """The object a ``torch.save`` file holds, with every tensor replaced by ``None`` (reads the
-    archive's directory and its ``data.pkl`` only). Unpickling runs code the file names, as
-    ``torch.load(weights_only=False)`` does.
+    archive's directory and its ``data.pkl`` only), restricted to the allowlist of
+    :mod:`megatron.integrity.unpickle` (see :func:`~megatron.integrity.unpickle.
+    load_without_tensors`, which this is).
 
     Raises:
+        UnsafeCheckpointError: the pickle names a global outside the allowlist (nothing imported).
         ValueError: the archive has no ``data.pkl``.
         OSError, zipfile.BadZipFile, pickle.UnpicklingError, ...: missing, truncated or not a zip.
     """
-    with zipfile.ZipFile(path) as z:
-        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not names:
-            raise ValueError(f"{path}: no data.pkl in the archive (not a torch.save file)")
-        with z.open(names[0]) as f:
-            return _NoTensorUnpickler(io.BytesIO(f.read())).load()
+    return unpickle.load_without_tensors(path)

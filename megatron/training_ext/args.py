@@ -138,9 +138,34 @@ def prepare_cpu_backend(argv: list[str]) -> bool:
 def add_fork_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider`` for upstream's parser: this fork's flags, in one argument group."""
     group = parser.add_argument_group("megatron-lm-fixed", "flags of this fork (see README)")
-    for add in (_add_run_flags, _add_local_tier_flags, _add_proof_flags, _add_save_dir_flags):
+    for add in (
+        _add_run_flags,
+        _add_local_tier_flags,
+        _add_proof_flags,
+        _add_save_dir_flags,
+        _add_unpickling_flags,
+    ):
         add(group)
     return parser
+
+
+def _add_unpickling_flags(group: argparse._ArgumentGroup) -> None:
+    """``--unrestricted-unpickling``, ``--accept-shared-local-ckpt-dir``
+    (:mod:`megatron.integrity.unpickle`)."""
+    group.add_argument(
+        "--unrestricted-unpickling",
+        action="store_true",
+        help="Unpickle checkpoint files without the allowlist of megatron.integrity.unpickle (a "
+        "file may then run code): for checkpoints of code the allowlist does not know, e.g. a "
+        "custom optimizer's state. Default: a file naming any other global is not loaded.",
+    )
+    group.add_argument(
+        "--accept-shared-local-ckpt-dir",
+        action="store_true",
+        help="Start although the local checkpoint directory or a file in it is writable by other "
+        "users or owned by another user (refused by default: whoever can write it can change "
+        "what this job loads).",
+    )
 
 
 def _add_run_flags(group: argparse._ArgumentGroup) -> None:
@@ -339,6 +364,7 @@ def check_run_setup(args: argparse.Namespace) -> None:
     Raises:
         SystemExit: with the reason and what to give instead.
     """
+    from megatron.integrity import unpickle
     from megatron.training_ext import (
         arg_errors,
         data_checks,
@@ -347,6 +373,7 @@ def check_run_setup(args: argparse.Namespace) -> None:
         start_checks,
     )
 
+    unpickle.POLICY.unrestricted = bool(getattr(args, "unrestricted_unpickling", False))
     try:
         if getattr(args, "inprocess_restart", False):
             raise SystemExit(
@@ -360,6 +387,7 @@ def check_run_setup(args: argparse.Namespace) -> None:
         start_checks.check_load_dir(args)
         persistent_tier.check_resume_shape(args)
         start_checks.check_directories(args)
+        start_checks.check_local_ownership(args)
         restored = start_checks.check_run_token(args)
         if restored:
             print(restored, flush=True)

@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Tuple
 __all__ = [
     "check_directories",
     "check_load_dir",
+    "check_local_ownership",
     "check_run_token",
     "estimate_checkpoint_bytes",
 ]
@@ -173,6 +174,63 @@ def check_directories(args: Any) -> None:
             + ". Checked before training so that no iteration is spent before a save that "
             "cannot be written: choose a writable directory with room"
         )
+
+
+def check_local_ownership(args: Any) -> None:
+    """With local checkpoints: refuse a local checkpoint directory (the root, this host's rank
+    directories, the files in them) that is writable by other users (group or others write bit,
+    no sticky bit) or owned by another user than this process's: whoever can write there can
+    replace what this job loads. ``--accept-shared-local-ckpt-dir`` accepts it. A directory that
+    does not exist yet is created by the job itself and passes.
+
+    Raises:
+        SystemExit: one line naming the first such path, its owner and mode, and the fixes
+            (``chmod``, another ``--non-persistent-local-ckpt-dir``, the flag); on every rank,
+            before any process group exists.
+    """
+    local_dir = getattr(args, "non_persistent_local_ckpt_dir", None)
+    if (
+        not local_dir
+        or getattr(args, "non_persistent_ckpt_type", None) != "local"
+        or getattr(args, "accept_shared_local_ckpt_dir", False)
+        or not os.path.isdir(local_dir)
+    ):
+        return
+    problem = _ownership_problem(local_dir)
+    if problem is None:
+        return
+    path, why = problem
+    raise SystemExit(
+        f"pretrain_gpt.py: local checkpoint path {path} is {why}: another user could replace "
+        f"what this job loads. Fix: chmod go-w {path} (and own it), or choose another "
+        f"--non-persistent-local-ckpt-dir; --accept-shared-local-ckpt-dir starts anyway"
+    )
+
+
+def _ownership_problem(root: str) -> Optional[Tuple[str, str]]:
+    """``(path, why)`` of the first path under ``root`` (two levels: rank directories and their
+    files) that another user could write, else ``None``."""
+    import stat
+
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    paths = [root]
+    for sub in sorted(os.listdir(root)):
+        p = os.path.join(root, sub)
+        paths.append(p)
+        if os.path.isdir(p) and not os.path.islink(p):
+            paths += [os.path.join(p, f) for f in sorted(os.listdir(p))]
+    for p in paths:
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if uid is not None and st.st_uid != uid:
+            return p, f"owned by uid {st.st_uid}, not this job's user (uid {uid})"
+        if mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and mode & stat.S_ISVTX):
+            who = "others" if mode & 0o002 else "its group"
+            return p, f"writable by {who} (mode {mode:o})"
+    return None
 
 
 def check_run_token(args: Any) -> Optional[str]:

@@ -1,7 +1,8 @@
 """One local checkpoint file through the verifier: :func:`open_local` loads it (memory-mapped,
-``torch.load(weights_only=False)`` as training does) and reads its records (identity, iteration,
-checksum record); :func:`plan_readahead` queues its byte ranges; :func:`check_opened` runs every
-check on it, batch by batch. Problems go to a :class:`~megatron.verify.findings.Findings`.
+the restricted unpickler of :mod:`megatron.integrity.unpickle`, as training does) and reads its
+records (identity, iteration, checksum record); :func:`plan_readahead` queues its byte ranges;
+:func:`check_opened` runs every check on it, batch by batch. Problems go to a
+:class:`~megatron.verify.findings.Findings`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import (  # noqa: 
     MCoreTensorAwareStateDict,
 )
 
+from megatron.integrity import unpickle
 from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.local_identity import get_identity
 from megatron.integrity.persistent import PersistentCheckpoint
@@ -56,16 +58,18 @@ def _load(op: OpenedLocal, opts: VerifyOptions, part: Findings) -> bool:
     lf = op.lf
     try:
         try:
-            op.sd = torch.load(lf.path, map_location="cpu", weights_only=False, mmap=opts.mmap)
+            op.sd = unpickle.torch_load(lf.path, map_location="cpu", mmap=opts.mmap)
         except RuntimeError:
             if not opts.mmap:
                 raise
             # e.g. a file in the legacy (non-zip) format, which cannot be memory-mapped
-            op.sd = torch.load(lf.path, map_location="cpu", weights_only=False)
+            op.sd = unpickle.torch_load(lf.path, map_location="cpu")
     except Exception as e:  # noqa: BLE001
         part.problems.append(
             Problem(
-                "unreadable", f"{where(lf)}: cannot be loaded: {type(e).__name__}: {e}", **op.base
+                "unsafe_pickle" if isinstance(e, unpickle.UnsafeCheckpointError) else "unreadable",
+                f"{where(lf)}: cannot be loaded: {type(e).__name__}: {e}",
+                **op.base,
             )
         )
         op.failed = True

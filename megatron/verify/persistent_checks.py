@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megatron.integrity import manifest as _manifest
+from megatron.integrity import unpickle
 from megatron.integrity.checksum import tensor as ck
 from megatron.integrity.persistent import (
     INTEGRITY_FNAME,
@@ -33,6 +34,7 @@ __all__ = [
     "file_size",
     "manifest_names",
     "metadata_problems",
+    "read_failure_kind",
     "read_manifest",
 ]
 
@@ -46,8 +48,8 @@ def file_size(p: Path) -> int:
 
 
 def metadata_problems(pc: PersistentCheckpoint) -> List[Problem]:
-    """Coverage of every tensor's global shape by its chunks, and storage entries (present,
-    inside an existing file). Reads no tensor data.
+    """Coverage of every tensor's global shape by its chunks, storage entries (present, inside an
+    existing file), and a legacy ``common.pt`` (restricted unpickling). Reads no tensor data.
 
     Returns:
         ``coverage`` and ``storage`` problems (empty when the metadata is consistent).
@@ -75,7 +77,33 @@ def metadata_problems(pc: PersistentCheckpoint) -> List[Problem]:
         )
     for key in sorted(pc.objects):
         problems += _storage_problems(pc, MetadataIndex(key), key, None)
-    return problems
+    return problems + _legacy_common_problems(pc)
+
+
+def read_failure_kind(e: BaseException) -> str:
+    """``"unsafe_pickle"`` for a file naming a global outside the unpickling allowlist, else
+    ``"unreadable"``."""
+    return "unsafe_pickle" if isinstance(e, unpickle.UnsafeCheckpointError) else "unreadable"
+
+
+def _legacy_common_problems(pc: PersistentCheckpoint) -> List[Problem]:
+    """A ``common.pt`` in the directory (megatron-core loads it instead of the ``common_state``
+    object when present): unpickled restricted, tensors left out."""
+    path = pc.path / "common.pt"
+    if not path.is_file():
+        return []
+    try:
+        unpickle.load_without_tensors(path)
+    except Exception as e:  # noqa: BLE001 - any failure is this file's finding
+        return [
+            Problem(
+                read_failure_kind(e),
+                f"persistent common.pt cannot be read: {type(e).__name__}: {e}",
+                file="common.pt",
+                role="persistent",
+            )
+        ]
+    return []
 
 
 def _storage_problems(
@@ -180,7 +208,7 @@ def check_persistent_file(
     for key, offsets, e in failed:
         part.problems.append(
             Problem(
-                "unreadable",
+                read_failure_kind(e),
                 f"persistent {name}: '{key}'"
                 + (f" chunk at {offsets}" if offsets is not None else "")
                 + f" cannot be read: {type(e).__name__}: {e}",

@@ -41,6 +41,10 @@ PROBLEM_KINDS: Dict[str, str] = {
     ),
     "object_mismatch": "a local ShardedObject differs from the persistent one",
     "unreadable": "a file, tensor chunk or object cannot be read / deserialised",
+    "unsafe_pickle": (
+        "a file or object names a global outside the unpickling allowlist "
+        "(megatron/integrity/unpickle.py): not loaded, nothing it names imported or called"
+    ),
     "not_a_local_checkpoint": "a local file does not hold a tensor-aware state dict",
     "iteration": "a file's recorded iteration differs from the iteration being verified",
     "coverage": (

@@ -23,6 +23,7 @@ from megatron.verify.discovery import where
 from megatron.verify.findings import Findings
 from megatron.verify.opened_local import OpenedLocal
 from megatron.verify.options import VerifyOptions
+from megatron.verify.persistent_checks import read_failure_kind
 from megatron.verify.report import Problem
 
 __all__ = ["check_objects", "check_tensor"]
@@ -292,7 +293,7 @@ def check_objects(op: OpenedLocal, part: Findings, pc: PersistentCheckpoint) -> 
         if isinstance(p, BaseException):
             part.problems.append(
                 Problem(
-                    "unreadable",
+                    read_failure_kind(p),
                     f"persistent object '{o.unique_key}' cannot be read: {type(p).__name__}: {p}",
                     **info,
                 )

@@ -17,9 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
-
-from megatron.integrity import local_identity, local_layout, persistent_dirs
+from megatron.integrity import local_identity, local_layout, persistent_dirs, unpickle
 from megatron.training_ext.local_tier.checks import header_fingerprint, verify_state_dict
 from megatron.training_ext.local_tier.common import exc_text, shorten
 from megatron.training_ext.local_tier.markers import read_marker
@@ -232,8 +230,10 @@ def read_copy(
     try:
         try:
             header = local_identity.read_header(path)
+        except unpickle.UnsafeCheckpointError:
+            raise  # never loaded another way
         except Exception:  # noqa: BLE001 - let torch tell what is wrong with the file
-            header = torch.load(path, mmap=True, weights_only=False)
+            header = unpickle.torch_load(path, mmap=True)
         rec = local_identity.get_identity(header)
     except Exception as e:  # noqa: BLE001 - a truncated/unreadable file is this copy's problem
         return LocalCopy(problem=f"unreadable: {exc_text(e)}", **base)

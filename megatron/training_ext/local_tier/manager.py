@@ -23,7 +23,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
     LocalCheckpointManager,
 )
 
-from megatron.integrity import local_identity, local_layout
+from megatron.integrity import local_identity, local_layout, unpickle
 from megatron.integrity.checksum import tensor as ck
 from megatron.training_ext.console import process_rank, rank_line
 from megatron.training_ext.local_tier.checks import finite_flags, state_tensor_keys
@@ -372,6 +372,18 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             return None
 
     _write_error: Optional[str] = None
+
+    def _load(self, ckpt_id):
+        """NVRx's ``_load`` (``torch.load(weights_only=False)``) restricted to the allowlist of
+        :mod:`megatron.integrity.unpickle`: a file naming any other global raises
+        :class:`~megatron.integrity.unpickle.UnsafeCheckpointError` (the start treats it as a bad
+        copy) and nothing it names is imported. ``CheckpointingException`` for a missing file, as
+        NVRx."""
+        path = self._local_ckpt_path_from_id(ckpt_id)
+        try:
+            return unpickle.torch_load(path)
+        except FileNotFoundError as e:
+            raise CheckpointingException(f"File {path} does not exist!") from e
 
     def _cleanup(self, iteration):
         """After the local save of ``iteration`` completed: NVRx removes the older files; then the

@@ -23,10 +23,9 @@ import shutil
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
-from megatron.integrity import persistent_dirs
+from megatron.integrity import persistent_dirs, unpickle
 from megatron.overlay.collective import RankFailures, summarize
 from megatron.training_ext.console import process_rank
 from megatron.training_ext.local_tier.common import exc_text, gather_objects, logger, shorten
@@ -343,5 +342,6 @@ def describe(files: List[str], root: str) -> str:
 
 
 def loaded_state(path: str) -> Any:
-    """``torch.load`` of one local checkpoint file (host tensors as stored)."""
-    return torch.load(path, weights_only=False, map_location="cpu")
+    """``torch.load`` of one local checkpoint file (host tensors as stored), restricted to the
+    allowlist of :mod:`megatron.integrity.unpickle`."""
+    return unpickle.torch_load(path, map_location="cpu")

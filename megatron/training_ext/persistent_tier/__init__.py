@@ -16,9 +16,10 @@ The component :data:`COMPONENT` (:class:`PersistentTier`) declares the patch poi
 one install decided (the policy, the directories verified, the trackers overruled) is its
 :class:`PersistentTierState`. Modules: :mod:`.start` (the start check of ``--save``),
 :mod:`.verify` (checksums at save, verification at load), :mod:`.resume` (the resume point and
-the model shape), :mod:`.fallback` (``load_checkpoint``'s fallback), :mod:`.writer` (files hashed
-as written), :mod:`.common` (what they share; the wrappers read this package's state at call
-time through :func:`~.common.tier_state`).
+the model shape), :mod:`.fallback` (``load_checkpoint``'s fallback), :mod:`.restricted` (DCP's
+``.metadata``, byte objects and ``common.pt`` read by the restricted unpickler), :mod:`.writer`
+(files hashed as written), :mod:`.common` (what they share; the wrappers read this package's
+state at call time through :func:`~.common.tier_state`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from megatron.integrity import manifest as mf
 from megatron.integrity.manifest import CheckpointIntegrityError
 from megatron.overlay import Patcher
 from megatron.overlay.component import Component
-from megatron.training_ext.persistent_tier import fallback, resume, verify, writer
+from megatron.training_ext.persistent_tier import fallback, restricted, resume, verify, writer
 from megatron.training_ext.persistent_tier.common import LOG_PREFIX, TRACKER
 from megatron.training_ext.persistent_tier.resume import (
     MODEL_SHAPE,
@@ -90,7 +91,7 @@ class PersistentTierState:
 
 
 #: What :func:`install` replaces, in order.
-PATCHES = verify.PATCHES + writer.PATCHES + resume.PATCHES + fallback.PATCHES
+PATCHES = verify.PATCHES + writer.PATCHES + resume.PATCHES + fallback.PATCHES + restricted.PATCHES
 
 
 class PersistentTier(Component[PersistentTierState]):

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from megatron.integrity import persistent_dirs
-from megatron.integrity.manifest import CheckpointIntegrityError
+from megatron.integrity import persistent_dirs, unpickle
+from megatron.integrity.manifest import CheckpointIntegrityError, FileProblem
 from megatron.overlay import Patch, alias_of, wraps_upstream
 from megatron.training_ext.console import rank0_line
 from megatron.training_ext.persistent_tier.common import (
@@ -22,6 +22,7 @@ from megatron.training_ext.persistent_tier.common import (
     TRACKER,
     tier_state,
 )
+from megatron.training_ext.persistent_tier.restricted import find_unsafe
 from megatron.training_ext.persistent_tier.resume import check_model_shape, resume_point
 
 __all__ = ["PATCHES"]
@@ -50,7 +51,17 @@ def _wrap_load_checkpoint(orig, get_args):
         try:
             while True:
                 try:
-                    return orig(*args, **kwargs)
+                    try:
+                        return orig(*args, **kwargs)
+                    except CheckpointIntegrityError:
+                        raise
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except BaseException as x:  # DCP's CheckpointException is a BaseException
+                        failed_ckpt = _as_integrity_error(x, load_dir, margs)
+                        if failed_ckpt is None:
+                            raise
+                        raise failed_ckpt from x
                 except CheckpointIntegrityError as e:
                     failed = Path(e.checkpoint_dir)
                     failures.append(e)
@@ -77,6 +88,27 @@ def _wrap_load_checkpoint(orig, get_args):
             margs.ckpt_step = user_step
 
     return load_checkpoint
+
+
+def _as_integrity_error(x: Exception, load_dir, margs) -> Optional[CheckpointIntegrityError]:
+    """``x`` as a failed checkpoint when an unsafe pickle caused it (a file of the checkpoint
+    names a global outside the allowlist: :func:`~.restricted.find_unsafe`), else ``None``. The
+    checkpoint is the one the file lies in, else the iteration being loaded."""
+    unsafe = find_unsafe(x)
+    if unsafe is None or not load_dir:
+        return None
+    where = Path(unsafe.path)
+    ckpt = next((p for p in where.parents if ITER_DIR.match(p.name)), None)
+    if ckpt is None:
+        step = margs.ckpt_step or persistent_dirs.read_tracker(load_dir).iteration
+        ckpt = Path(load_dir) / f"iter_{int(step or 0):07d}"
+    name = os.path.relpath(where, ckpt) if ckpt in where.parents else unsafe.path
+    problem = FileProblem(
+        name,
+        f"names {unsafe.global_name}, outside the unpickling allowlist: not loaded "
+        f"({unpickle.UNRESTRICTED_FLAG} loads files you trust)",
+    )
+    return CheckpointIntegrityError(ckpt, [problem], "restricted unpickling")
 
 
 def _bound_load_arg(args, kwargs) -> str:

@@ -92,8 +92,8 @@ MODEL_SHAPE = (
 
 def check_model_shape(iteration_dir: Union[str, os.PathLike], args: Any) -> None:
     """Refuse, before any tensor is read, a resume whose model shape differs from the checkpoint's:
-    the ``args`` saved in the checkpoint's common state (upstream's ``load_common_state_dict``:
-    the ``common_state`` object of a ``torch_dist`` checkpoint, or a legacy ``common.pt``) against
+    the ``args`` saved in the checkpoint's common state (the ``common_state`` object of a
+    ``torch_dist`` checkpoint, or a legacy ``common.pt``, read by the restricted unpickler) against
     ``args`` for each setting of :data:`MODEL_SHAPE`. Nothing is checked without readable common
     state (the verification of the load then names what is wrong) or with ``--finetune`` /
     ``--use-checkpoint-args``.
@@ -108,12 +108,12 @@ def check_model_shape(iteration_dir: Union[str, os.PathLike], args: Any) -> None
         return
     import warnings
 
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+    from megatron.integrity.persistent import read_common_state
 
     try:
         with warnings.catch_warnings():  # DCP's "no_dist" load of one small object warns
             warnings.simplefilter("ignore")
-            saved = load_common_state_dict(str(iteration_dir)).get("args")
+            saved = read_common_state(iteration_dir).get("args")
     except Exception:  # noqa: BLE001 - unreadable: the verification of the load names it
         return
     if saved is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -70,13 +71,11 @@ def test_run_token_is_created_once_and_never_replaced(tmp_path):
     assert li.run_token(None, create=True) is None
 
 
-class _Shard:  # stands in for a saved TensorAwareStateDict: tensors plus the identity record
-    pass
-
-
 def _local_file(path, token, iteration):
     run_id, source, settings = li.run_identity(_args(), token=token)
-    shard = _Shard()
+    # stands in for a saved TensorAwareStateDict (tensors plus the identity record): a class the
+    # restricted unpickler allows (a class of this module would be refused, as it should)
+    shard = types.SimpleNamespace()
     shard.w = torch.ones(3)
     setattr(
         shard,
