@@ -49,7 +49,7 @@ compat_lane() {
   [ "$rc" = 0 ] || return "$rc"
   echo "compatibility lane: $(.venv-upstream-main/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))' 2>/dev/null) (upstream main)"
   .venv-upstream-main/bin/python -m pytest tests/unit_tests tests/functional_tests \
-    -m "not cluster and not integration and ((not slow) or compat)" -p no:cacheprovider "$@"
+    -m "not cluster and not integration and not sweep and ((not slow) or compat)" -p no:cacheprovider "$@"
 }
 if [ "$compat_only" = 1 ]; then
   compat_lane "$@"
@@ -58,7 +58,7 @@ fi
 if [ "${MEGATRON_INTEGRATION_TESTS:-0}" != 1 ]; then
   # default (CI): without the integration tests (container install step, local SLURM cluster)
   rc=0
-  .venv/bin/python -m pytest $where -m "not cluster and not integration" -p no:cacheprovider "$@" || rc=$?
+  .venv/bin/python -m pytest $where -m "not cluster and not integration and not sweep" -p no:cacheprovider "$@" || rc=$?
   if [ "$rc" = 0 ] && [ -n "$where" ] && [ "${MEGATRON_SKIP_COMPAT:-0}" != 1 ]; then
     compat_lane "$@" || rc=$?
   fi

@@ -38,6 +38,11 @@ FIX_MODULES = (
     "megatron.fixes.rng_state_ep",
     "megatron.fixes.fsdp_rng",
     "megatron.fixes.missing_checkpoint_exit",
+    "megatron.fixes.async_queue_teardown",
+    "megatron.fixes.async_final_save",
+    "megatron.fixes.async_worker_death",
+    "megatron.fixes.nonpersistent_retention",
+    "megatron.fixes.atomic_tracker",
 )
 
 __all__ = [
