@@ -34,7 +34,7 @@ KILL_AT_4 = {"MEGATRON_TEST_KILL_ASYNC_WORKER": "rank=0,iteration=4,moment=write
 TRACKER = "latest_checkpointed_iteration.txt"
 STOP = "pretrain_gpt.py: rank 0's persistent checkpoint worker (pid "
 #: What the bounded stop must stay under, from the kill to every rank gone (seconds; measured:
-#: docs/async-save.md).
+#: docs/persistent-tier.md, "Background saves").
 BOUND_S = 60.0
 
 

@@ -115,6 +115,21 @@ def test_stop_every_rank_prints_one_line_and_aborts_the_queue(capsys):
     assert "iterations 4, 6 unfinished" in err[0] and "(pid 77) died (killed by SIGKILL)" in err[0]
 
 
+def test_a_worker_found_dead_while_idle_is_replaced_and_one_with_a_pending_save_is_not():
+    idle = types.SimpleNamespace(
+        persistent_caller=types.SimpleNamespace(process=_Proc(alive=False), rank=0),
+        async_calls=deque(),
+    )
+    awd._replace_idle_dead_worker(idle)
+    assert idle.persistent_caller.process is None  # the next schedule starts a fresh one
+    busy = types.SimpleNamespace(
+        persistent_caller=types.SimpleNamespace(process=_Proc(alive=False), rank=0),
+        async_calls=deque([types.SimpleNamespace(idx=0)]),
+    )
+    awd._replace_idle_dead_worker(busy)
+    assert busy.persistent_caller.process is not None  # its save is lost: the ranks must stop
+
+
 # ---------------------------------------------------------------------------------------------
 # nonpersistent_retention
 # ---------------------------------------------------------------------------------------------
