@@ -169,6 +169,21 @@ def test_async_global_nonpersistent_tracker_and_one_worker_per_run(tmp_path):
 
 
 @pytest.mark.sweep
+def test_dead_worker_while_staging_stops_every_rank(tmp_path):
+    """The worker dies as it starts staging the save of 4 (its rank waits in the schedule, the
+    other rank does not): both ranks stop with the line; the partial save is not a checkpoint."""
+    env = {"MEGATRON_TEST_KILL_ASYNC_WORKER": "rank=0,iteration=4,moment=preload"}
+    run = _killed_run(tmp_path, env, timeout=300)
+    assert run.returncode != 0 and run.leftovers == [], run.output[-3000:]
+    lines = [ln for ln in run.output.splitlines() if ln.startswith(STOP)]
+    assert len(lines) == 2 and all("iteration 4 unfinished" in ln for ln in lines), lines
+    assert max(run.losses) == 4
+    ck = tmp_path / "ckpt"
+    assert (ck / TRACKER).read_text().strip() == "2"
+    assert not (ck / "iter_0000004" / ".metadata").exists()
+
+
+@pytest.mark.sweep
 def test_guard_unfixed_dead_worker_hangs(tmp_path):
     """Upstream (``MEGATRON_FIXES_DISABLE=async_worker_death``): the same kill, and the run has
     not ended 90 s later (it trains on to the next save, then waits forever)."""
