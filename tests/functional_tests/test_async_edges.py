@@ -215,8 +215,17 @@ def test_guard_unfixed_retention_and_final_save(tmp_path):
     fixed = run_pretrain(tmp_path / "fixed", *_moved(args, ck, tmp_path / "fixed" / "ckpt"),
                          launcher="torchrun")  # fmt: skip
     assert "Exception ignored" not in fixed.output, fixed.output[-3000:]
-    final = [_save_times(r.output)[-1] for r in (run, fixed)]
-    print(f"[async-edges] final save blocked: upstream {final[0]:.0f} ms, fixed {final[1]:.0f} ms")
+    for name, r in (("upstream", run), ("fixed", fixed)):
+        times = _save_times(r.output)
+        print(
+            f"[async-edges] {name}: final save blocked {times[-1]:.0f} ms, loop saves "
+            f"{[round(t) for t in times[:-1]]} ms (the first starts the worker)"
+        )
+    print(
+        f"[async-edges] upstream: the tracker named a missing or incomplete checkpoint at "
+        f"{len(watcher.violations)} looks, in {len(set(watcher.violations))} windows "
+        f"(iterations {sorted(set(watcher.violations))})"
+    )
 
 
 def _moved(args, old: Path, new: Path):
