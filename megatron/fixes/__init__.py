@@ -42,6 +42,11 @@ FIX_MODULES = (
     "megatron.fixes.missing_checkpoint_exit",
     "megatron.fixes.planned_exit_save",
     "megatron.fixes.data_loader_rng",
+    "megatron.fixes.async_queue_teardown",
+    "megatron.fixes.async_final_save",
+    "megatron.fixes.async_worker_death",
+    "megatron.fixes.nonpersistent_retention",
+    "megatron.fixes.atomic_tracker",
 )
 
 __all__ = [

@@ -37,6 +37,9 @@ else:  # a rank's helper, as in pretrain_gpt.py: killed when the rank dies
     from megatron.training_ext import lifetime
 
     lifetime.die_with_parent()
+    from tests.helpers import fault_injection
+
+    fault_injection.install_async_worker_kill_from_env()  # MEGATRON_TEST_KILL_ASYNC_WORKER
 
 _PATCHER = Patcher("fault_injection")
 

@@ -678,3 +678,152 @@ def install_local_disk_full(rank_k: int, iter_k: int) -> type:
     )
     _installed["local_disk_full"] = base
     return DiskFullLocalCheckpointManager
+
+
+# ---------------------------------------------------------------------------------------------
+# MEGATRON_TEST_KILL_ASYNC_WORKER (armed in the persistent checkpoint worker itself)
+# ---------------------------------------------------------------------------------------------
+
+ENV_KILL_ASYNC_WORKER = "MEGATRON_TEST_KILL_ASYNC_WORKER"
+#: Moments of an async save at which ``MEGATRON_TEST_KILL_ASYNC_WORKER`` kills the worker.
+ASYNC_WORKER_MOMENTS = ("preload", "write")
+
+
+def parse_async_worker_kill(spec: str) -> dict:
+    """Parse ``MEGATRON_TEST_KILL_ASYNC_WORKER="rank=R,iteration=K[,moment=M]"`` (``M`` one of
+    :data:`ASYNC_WORKER_MOMENTS`, default ``write``).
+
+    Returns:
+        dict with int ``rank``, ``iteration`` and str ``moment``.
+
+    Raises:
+        ValueError: a part that is not key=value, an unknown key, a missing ``rank`` or
+            ``iteration``, a value that is not a non-negative integer, an unknown moment.
+    """
+    name = ENV_KILL_ASYNC_WORKER
+    out: dict = {"moment": "write"}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep:
+            raise ValueError(f"{name}: '{part}' is not key=value")
+        if key in ("rank", "iteration"):
+            if not value.isdigit():
+                raise ValueError(f"{name}: {key}={value!r} is not a non-negative integer")
+            out[key] = int(value)
+        elif key == "moment":
+            if value not in ASYNC_WORKER_MOMENTS:
+                raise ValueError(
+                    f"{name}: unknown moment '{value}' (one of {', '.join(ASYNC_WORKER_MOMENTS)})"
+                )
+            out[key] = value
+        else:
+            raise ValueError(f"{name}: unknown key '{key}' (rank, iteration, moment)")
+    if "rank" not in out or "iteration" not in out:
+        raise ValueError(f"{name}: rank= and iteration= are required, got '{spec}'")
+    return out
+
+
+def install_async_worker_kill_from_env() -> Optional[dict]:
+    """In a spawned persistent checkpoint worker (the test entrypoint run as ``__mp_main__``):
+    when ``MEGATRON_TEST_KILL_ASYNC_WORKER`` names this worker's rank (``$RANK``, inherited from
+    its training rank), the worker kills itself with ``SIGKILL`` (as the OOM killer does) during
+    the async save of the named iteration:
+
+    * ``moment=preload``: when it starts staging that save's tensors (its training rank waits in
+      ``schedule_async_request`` for the staging to finish; no data file written);
+    * ``moment=write``: while it writes the first data file (``__R_*.distcp``) of that save, after
+      half of the first chunk is on disk (the staging is done; its training rank trains on).
+
+    The worker resolves both functions when it unpickles the save request, by module attribute
+    (``FileSystemWriterAsync.preload_tensors``, and the writer's ``open``, which the persistent
+    tier sets to ``megatron.integrity.checksum.written.hashing_open``), so replacing them here,
+    before any request arrives, reaches them. Returns the parsed spec when armed, else ``None``.
+    """
+    spec = os.environ.get(ENV_KILL_ASYNC_WORKER)
+    if not spec:
+        return None
+    kill = parse_async_worker_kill(spec)
+    if int(os.environ.get("RANK", "-1")) != kill["rank"]:
+        return None
+    marker = f"iter_{kill['iteration']:07d}"
+    worker = os.getpid()
+    where = f"rank {kill['rank']}'s checkpoint worker (pid {worker}): SIGKILL"
+
+    def kill_worker(message: str) -> None:
+        import time
+
+        _say(f"{where} {message} (at unix time {time.time():.3f})")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(worker, signal.SIGKILL)
+        while True:  # pragma: no cover - SIGKILL is delivered before this matters
+            signal.pause()
+
+    if kill["moment"] == "preload":
+        from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fsa
+
+        upstream = fsa.FileSystemWriterAsync.preload_tensors
+
+        @wraps_upstream(upstream)
+        def preload_tensors_then_kill(resolved_plan_data, *a, **kw):
+            """Test-only: the worker dies as it starts staging the named save."""
+            if marker in str(resolved_plan_data[0]):
+                kill_worker(f"as it starts staging the save of iteration {kill['iteration']}")
+            return upstream(resolved_plan_data, *a, **kw)
+
+        _PATCHER.replace(
+            fsa.FileSystemWriterAsync,
+            "preload_tensors",
+            staticmethod(preload_tensors_then_kill),
+            f"test-only: the checkpoint worker dies while staging a save ({ENV_KILL_ASYNC_WORKER})",
+        )
+        return kill
+    from megatron.integrity.checksum import written
+
+    upstream_open = written.hashing_open
+
+    @wraps_upstream(upstream_open)
+    def open_then_kill(file, mode="r", *a, **kw):
+        """Test-only: the checkpoint writer's ``open``; the first data file of the named save
+        gets half of its first chunk, then the worker dies."""
+        f = upstream_open(file, mode, *a, **kw)
+        path = os.fspath(file)
+        if mode != "wb" or marker not in path or not path.endswith(".distcp"):
+            return f
+        return _KillingFile(f, kill_worker, path, kill["iteration"])
+
+    _PATCHER.replace(
+        written,
+        "hashing_open",
+        open_then_kill,
+        f"test-only: the checkpoint worker dies while writing a save ({ENV_KILL_ASYNC_WORKER})",
+    )
+    return kill
+
+
+class _KillingFile:
+    """Test-only: a writable file whose first ``write`` writes half of its data, flushes, then
+    calls ``kill`` (which never returns); anything else goes to the file."""
+
+    def __init__(self, f, kill, path: str, iteration: int):
+        self._f, self._kill, self._path, self._iteration = f, kill, path, iteration
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        half = max(1, len(view) // 2)
+        self._f.write(view[:half])
+        self._f.flush()
+        self._kill(
+            f"while writing {self._path} of the save of iteration {self._iteration} "
+            f"({half} of {len(view)} bytes of its first chunk written)"
+        )
+        return half  # pragma: no cover
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()

@@ -320,3 +320,23 @@ def test_abort_async_save_spec_errors(monkeypatch, spec, async_save):
     with pytest.raises(ValueError, match="needs an iteration number and --async-save"):
         fi.install_from_env(types.SimpleNamespace(async_save=async_save, async_strategy="nvrx"))
     assert "abort_async" not in fi._installed
+
+
+def test_async_worker_kill_parser():
+    assert fi.parse_async_worker_kill("rank=0,iteration=4") == {
+        "rank": 0,
+        "iteration": 4,
+        "moment": "write",
+    }
+    assert (
+        fi.parse_async_worker_kill(" rank=1 , iteration=8, moment=preload")["moment"] == "preload"
+    )
+    for bad, match in (
+        ("rank=0", "required"),
+        ("rank=0,iteration=x", "not a non-negative integer"),
+        ("rank=0,iteration=4,moment=finalize", "unknown moment"),
+        ("rank=0,iteration=4,when=now", "unknown key"),
+        ("rank", "not key=value"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fi.parse_async_worker_kill(bad)
