@@ -97,6 +97,17 @@ def _reshard_setup(start: Path) -> None:
     )
 
 
+def _async_setup(start: Path) -> None:
+    """The asynchronous save of iteration 2, finalised (at the end of its run): the save under
+    test is then the only one in flight, whatever the worker's speed (a save of 2 in the same run
+    is finalised whenever every rank sees it done, before or during the save of 4)."""
+    run = run_pretrain_reaped(
+        start, "--train-iters", "2", *_PERSISTENT, "--save-interval", "2", "--async-save",
+        entry=FAULTS_ENTRY, check=False, timeout=LAUNCH_TIMEOUT_S, loss_file="setup.jsonl",
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+
+
 _NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 #: The save kinds this fork performs, each as small as shows its file operations.
@@ -117,7 +128,7 @@ KINDS: dict[str, SaveKind] = {
         SaveKind(
             "async",
             [*_PERSISTENT, "--save-interval", "2", "--async-save"],
-            ["ckpt"], target=4, older=2, train_iters=4,
+            ["ckpt"], target=4, older=2, train_iters=4, setup=_async_setup,
             known=(("2", "a killed async save leaves a partial iter_N (Megatron-LM issue 6970)"),),
         ),
         SaveKind(
@@ -148,7 +159,8 @@ KINDS: dict[str, SaveKind] = {
 
 @dataclass
 class Point:
-    """One crash point: ``targets`` = ``[[op key, action], ...]`` (:mod:`tests.helpers.fs_trace`)."""
+    """One crash point: ``targets`` = ``[[op key, action], ...]`` (see
+    :mod:`tests.helpers.fs_trace`)."""
 
     label: str
     targets: list
@@ -217,8 +229,8 @@ class Recording:
 
 
 def record(kind: SaveKind, base: Path) -> Recording:
-    """One uninterrupted launch with the trace on: the save's operations (in time order) and the
-    reference losses.
+    """One uninterrupted launch with the trace on: the save's operations (by rank, each rank's in
+    its order) and the reference losses.
 
     Raises:
         AssertionError: the launch failed or recorded no operation.
@@ -229,13 +241,16 @@ def record(kind: SaveKind, base: Path) -> Recording:
     run = _launch(kind, work, _trace_env(kind, trace), "record.jsonl")
     assert run.returncode == 0, f"{kind.name}: the recorded launch failed:\n{run.output[-6000:]}"
     ops = [json.loads(ln) for f in sorted(trace.glob("ops.*.jsonl")) for ln in f.open()]
-    ops.sort(key=lambda o: (o["t"], o["rank"], o["seq"]))
+    # one order for every recording of the same command: by rank, the rank's own operations
+    # before its helpers', each process's in its own order (a helper's pid is not part of it)
+    ops.sort(key=lambda o: (o["rank"], o["role"] != "main", o["role"], o["seq"], o["key"]))
     assert ops, f"{kind.name}: no file operation recorded in window {kind.trace_window()}"
     return Recording(ops, run.losses, run.output)
 
 
 def points(rec: Recording) -> list[Point]:
-    """Every recorded operation as a kill-before point (time order), then the cross-rank points:
+    """Every recorded operation as a kill-before point (:func:`record`'s order), then the
+    cross-rank points:
     for each ``j``, rank A past its ``j``-th rename (or ``j``-th operation) and rank B held
     before its own, both ways."""
     out = [Point(f"before {o['key']}", [[o["key"], "kill"]], o) for o in rec.ops]
