@@ -98,14 +98,17 @@ def _reshard_setup(start: Path) -> None:
 
 
 def _async_setup(start: Path) -> None:
-    """The asynchronous save of iteration 2, finalised (at the end of its run): the save under
+    """The asynchronous save of iteration 2, finalised (the run stops there, ``--exit-interval``;
+    same ``--train-iters``, which the scheduler's state holds): the save under
     test is then the only one in flight, whatever the worker's speed (a save of 2 in the same run
     is finalised whenever every rank sees it done, before or during the save of 4)."""
     run = run_pretrain_reaped(
-        start, "--train-iters", "2", *_PERSISTENT, "--save-interval", "2", "--async-save",
-        entry=FAULTS_ENTRY, check=False, timeout=LAUNCH_TIMEOUT_S, loss_file="setup.jsonl",
+        start, "--train-iters", "4", "--exit-interval", "2", *_PERSISTENT, "--save-interval", "2",
+        "--async-save", entry=FAULTS_ENTRY, check=False, timeout=LAUNCH_TIMEOUT_S,
+        loss_file="setup.jsonl",
     )  # fmt: skip
-    assert run.returncode == 0, run.output[-4000:]
+    tracker = start / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert run.returncode == 0 and tracker.read_text().strip() == "2", run.output[-4000:]
 
 
 _NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -135,7 +138,7 @@ KINDS: dict[str, SaveKind] = {
             "global",
             [*_PERSISTENT, "--save-interval", "1000", "--non-persistent-ckpt-type", "global",
              "--non-persistent-save-interval", "2"],
-            ["ckpt/non_persistent"], target=4, older=2, train_iters=4,
+            ["ckpt/non_persistent"], target=6, older=4, train_iters=6,
             known=(("3", "retention deletes the checkpoint the tracker names before the new one "
                     "is complete (Megatron-Bridge PRs 4678, 5184)"),),
         ),
@@ -177,17 +180,24 @@ class Outcome:
 
 
 def _launch(kind: SaveKind, work: Path, env: dict, loss_file: str, settle: float = 0.0):
-    return run_pretrain_reaped(
-        work,
-        *kind.command(),
-        nproc=kind.nproc,
-        env={**kind.env, **env},
-        entry=FAULTS_ENTRY,
-        check=False,
-        timeout=LAUNCH_TIMEOUT_S,
-        loss_file=loss_file,
-        settle_s=settle,
-    )
+    """One launch of ``kind``'s command in ``work``; launched again (up to twice) when rank 0's
+    store could not listen on the port it was given (another process took it meanwhile: the
+    launch ended before it touched any file)."""
+    for _ in range(3):
+        run = run_pretrain_reaped(
+            work,
+            *kind.command(),
+            nproc=kind.nproc,
+            env={**kind.env, **env},
+            entry=FAULTS_ENTRY,
+            check=False,
+            timeout=LAUNCH_TIMEOUT_S,
+            loss_file=loss_file,
+            settle_s=settle,
+        )
+        if run.returncode == 0 or "EADDRINUSE" not in run.output:
+            return run
+    return run
 
 
 def _trace_env(kind: SaveKind, trace_dir: Path, points=None) -> dict:

@@ -27,8 +27,10 @@ Without ``points`` every operation is appended to ``TRACE_DIR/ops.<pid>.jsonl``.
 operation whose key is listed triggers its action: ``kill`` (before it: ``SIGKILL`` to every
 process of the launch, this one last), ``kill-after`` (after it) or ``hold`` (this process stops
 before it until the launch is killed; after 30 s it kills the launch itself). The launch's
-processes: every rank's session (each rank writes its pid to ``TRACE_DIR/ranks/`` at install) and
-the processes that carry the launch's tag (``MEGATRON_TEST_LAUNCH_TAG``).
+processes: every rank's session (each rank writes its pid to ``TRACE_DIR/ranks/`` at install; a
+rank that does not lead its session, e.g. one started without a launcher, counts alone, so the
+launcher's session is never killed) and the processes that carry the launch's tag
+(``MEGATRON_TEST_LAUNCH_TAG``).
 """
 
 from __future__ import annotations
@@ -161,12 +163,13 @@ def _say(message: str) -> None:
 
 def _launch_pids() -> list[int]:
     """Pids of the launch's processes other than this one (see the module docstring)."""
-    sessions = set()
+    sessions, ranks = set(), set()
     rank_dir = os.path.join(_state["dir"], "ranks")
     for name in os.listdir(rank_dir):
         try:
             with builtins_open(os.path.join(rank_dir, name)) as f:
-                sessions.add(int(f.read().strip()))
+                what, pid = f.read().split()
+            (sessions if what == "sid" else ranks).add(int(pid))
         except (OSError, ValueError):
             pass
     tag = os.environ.get(TAG_ENV)
@@ -180,7 +183,7 @@ def _launch_pids() -> list[int]:
             with builtins_open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
             sid = int(stat.rsplit(")", 1)[1].split()[4])
-            if sid in sessions:
+            if sid in sessions or pid in ranks:
                 out.append(pid)
                 continue
             if needle is not None:
@@ -420,8 +423,11 @@ def install(main: bool) -> dict | None:
         fd_written=set(),
     )
     if main:
+        # the rank's session when it leads one (torchrun's workers and the forked launcher's
+        # ranks do), else only the rank itself: never a session it shares with its launcher
+        me = os.getpid()
         with open(os.path.join(d, "ranks", str(rank)), "w") as f:
-            f.write(str(os.getsid(0)))
+            f.write(f"{'sid' if os.getsid(0) == me else 'pid'} {me}")
         if _state["open"]:
             with open(_state["marker"], "w") as f:
                 f.write("open\n")
