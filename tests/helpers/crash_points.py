@@ -299,8 +299,7 @@ def check_restart(kind: SaveKind, restart, reference: dict) -> tuple[bool, Optio
     loaded = [int(m.group(1)) for m in map(LOADED.search, restart.output.splitlines()) if m]
     resumed = int(proofs[-1].group(1)) if proofs else (loaded[-1] if loaded else None)
     if restart.returncode != 0:
-        tail = [ln for ln in restart.output.splitlines() if ln.strip()][-3:]
-        return False, resumed, f"restart exited {restart.returncode}: " + " | ".join(tail)[-600:]
+        return False, resumed, f"restart exited {restart.returncode}: {error_line(restart.output)}"
     if resumed is None:
         first = restart.first_iteration()
         return False, None, f"restart loaded nothing (trained from iteration {first}: scratch)"
@@ -324,6 +323,14 @@ def check_restart(kind: SaveKind, restart, reference: dict) -> tuple[bool, Optio
     return True, resumed, f"resumed at {resumed}"
 
 
+def error_line(output: str) -> str:
+    """The last line of ``output`` that names an exception or a refusal (else its last line)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    pattern = re.compile(r"(\w+(Error|Exception)\b:|pretrain_gpt\.py: |\[fs-trace\])")
+    hits = [ln for ln in lines if pattern.search(ln) and "error_file" not in ln]
+    return (hits or lines or [""])[-1][:400]
+
+
 def run_point(kind: SaveKind, base: Path, rec: Recording, point: Point, n: int) -> Outcome:
     """Crash ``kind``'s command at ``point``, restart it unchanged, check the restart."""
     t0 = time.monotonic()
@@ -342,16 +349,21 @@ def sweep(
     base: Path,
     every: int = 1,
     report: Callable[[str], None] = print,
+    only: Optional[slice] = None,
 ) -> tuple[Recording, list[Outcome]]:
-    """Record ``kind``'s save, then crash and restart at every ``every``-th point."""
+    """Record ``kind``'s save, then crash and restart at every ``every``-th point (``only``: of
+    those, this slice; to share one kind's sweep between processes)."""
     rec = record(kind, base)
     pts = points(rec)
     chosen = pts if every == 1 else sample(pts, every)
+    if only is not None:
+        chosen = chosen[only]
     report(
         f"{kind.name}: {len(rec.ops)} operations, {len(pts)} crash points, running {len(chosen)}"
     )
     outcomes = []
-    for n, p in enumerate(chosen):
+    first = (only.start or 0) if only is not None else 0
+    for n, p in enumerate(chosen, start=first):
         o = run_point(kind, base, rec, p, n)
         report(f"  {'ok  ' if o.ok else 'FAIL'} {p.label}: {o.what} ({o.seconds:.0f} s)")
         outcomes.append(o)
@@ -385,13 +397,15 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=1, help="run every N-th point (default 1: all)")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temp)")
     ap.add_argument("--json", type=Path, default=None, help="write the outcomes here")
+    ap.add_argument("--slice", default=None, help="A:B: only points A..B-1 of each kind's run")
     a = ap.parse_args(argv)
     base = a.work or Path(tempfile.mkdtemp(prefix="crash-points-"))
     t0 = time.monotonic()
     results: dict[str, tuple[int, list[Outcome]]] = {}
     for name in a.kind or list(KINDS):
         t = time.monotonic()
-        rec, outs = sweep(KINDS[name], base, a.every, lambda s: print(s, flush=True))
+        only = slice(*(int(x) if x else None for x in a.slice.split(":"))) if a.slice else None
+        rec, outs = sweep(KINDS[name], base, a.every, lambda s: print(s, flush=True), only)
         results[name] = (len(points(rec)), outs)
         print(f"{name}: {time.monotonic() - t:.0f} s", flush=True)
     print(table(results))
