@@ -182,7 +182,7 @@ def _launch_pids() -> list[int]:
         try:
             with builtins_open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
-            sid = int(stat.rsplit(")", 1)[1].split()[4])
+            sid = int(stat.rsplit(")", 1)[1].split()[3])  # state ppid pgrp session ...
             if sid in sessions or pid in ranks:
                 out.append(pid)
                 continue

@@ -1,13 +1,16 @@
 """``MEGATRON_TEST_FS_TRACE`` (:mod:`tests.helpers.fs_trace`, the crash-point harness's hook): the
 operations it records (keys, filtering by root, a ``uuid4`` part normalised), and that a point
-kills the process right before (``kill``) or right after (``kill-after``) its operation. Each
+kills the process and its helpers (its session) right before (``kill``) or right after
+(``kill-after``) its operation. Each
 case runs in a process of its own (the hook replaces ``builtins.open``, ``os.*``, ``torch.save``),
 which leads its own session, so the kill reaches nothing else."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 
 import pytest
 
@@ -20,6 +23,9 @@ import os, shutil
 from pathlib import Path
 import torch
 os.setsid()
+import subprocess
+helper = subprocess.Popen(["sleep", "120"])  # a helper of the "rank": same session
+Path("helper.pid").write_text(str(helper.pid))
 from tests.helpers import fs_trace
 fs_trace.install(main=True)
 os.makedirs("ck/iter_1", exist_ok=True)
@@ -52,6 +58,15 @@ EXPECTED = [
 ]
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _run(tmp_path, monkeypatch, points=None):
     trace = tmp_path / "trace"
     cfg = {"dir": str(trace), "roots": ["ck"], "window": "load"}
@@ -68,6 +83,7 @@ def _run(tmp_path, monkeypatch, points=None):
 def test_records_each_operation_under_a_root_once(tmp_path, monkeypatch):
     proc, trace, work = _run(tmp_path, monkeypatch)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    os.kill(int((work / "helper.pid").read_text()), signal.SIGKILL)
     ops = [json.loads(ln) for f in trace.glob("ops.*.jsonl") for ln in f.open()]
     assert [o["key"] for o in sorted(ops, key=lambda o: o["seq"])] == EXPECTED
     assert (work / "outside.txt").exists() and not (work / "ck" / "iter_1").exists()
@@ -88,6 +104,11 @@ def test_a_point_kills_right_before_or_after_its_operation(
     assert f"SIGKILL to the launch ({action.replace('kill-', '').replace('kill', 'before')}" in (
         proc.stderr
     )
+    helper = int((work / "helper.pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(helper), "the kill did not reach the process's helper (its session)"
     d = work / "ck" / "iter_1"
     assert [n for n in present if not (d / n).exists()] == []
     assert [n for n in absent if (d / n).exists()] == []
