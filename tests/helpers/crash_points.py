@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from tests.helpers import fs_trace
 from tests.helpers.fault_injection import ENV_FAULT
@@ -350,14 +350,18 @@ def sweep(
     every: int = 1,
     report: Callable[[str], None] = print,
     only: Optional[slice] = None,
+    match: Sequence[str] = (),
 ) -> tuple[Recording, list[Outcome]]:
     """Record ``kind``'s save, then crash and restart at every ``every``-th point (``only``: of
-    those, this slice; to share one kind's sweep between processes)."""
+    those, this slice, to share one kind's sweep between processes; ``match``: only the points
+    whose label holds one of these strings)."""
     rec = record(kind, base)
     pts = points(rec)
     chosen = pts if every == 1 else sample(pts, every)
     if only is not None:
         chosen = chosen[only]
+    if match:
+        chosen = [p for p in chosen if any(m in p.label for m in match)]
     report(
         f"{kind.name}: {len(rec.ops)} operations, {len(pts)} crash points, running {len(chosen)}"
     )
@@ -398,6 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temp)")
     ap.add_argument("--json", type=Path, default=None, help="write the outcomes here")
     ap.add_argument("--slice", default=None, help="A:B: only points A..B-1 of each kind's run")
+    ap.add_argument("--match", action="append", default=[], help="only points whose label has it")
     a = ap.parse_args(argv)
     base = a.work or Path(tempfile.mkdtemp(prefix="crash-points-"))
     t0 = time.monotonic()
@@ -405,7 +410,9 @@ def main(argv=None) -> int:
     for name in a.kind or list(KINDS):
         t = time.monotonic()
         only = slice(*(int(x) if x else None for x in a.slice.split(":"))) if a.slice else None
-        rec, outs = sweep(KINDS[name], base, a.every, lambda s: print(s, flush=True), only)
+        rec, outs = sweep(
+            KINDS[name], base, a.every, lambda s: print(s, flush=True), only, a.match
+        )
         results[name] = (len(points(rec)), outs)
         print(f"{name}: {time.monotonic() - t:.0f} s", flush=True)
     print(table(results))
