@@ -410,9 +410,7 @@ def main(argv=None) -> int:
     for name in a.kind or list(KINDS):
         t = time.monotonic()
         only = slice(*(int(x) if x else None for x in a.slice.split(":"))) if a.slice else None
-        rec, outs = sweep(
-            KINDS[name], base, a.every, lambda s: print(s, flush=True), only, a.match
-        )
+        rec, outs = sweep(KINDS[name], base, a.every, lambda s: print(s, flush=True), only, a.match)
         results[name] = (len(points(rec)), outs)
         print(f"{name}: {time.monotonic() - t:.0f} s", flush=True)
     print(table(results))
