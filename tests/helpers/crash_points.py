@@ -155,6 +155,8 @@ KINDS: dict[str, SaveKind] = {
              "--save-interval", "2", *_FSDP],
             ["ckpt"], target=4, older=2, train_iters=4,
             env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+            known=(("new", "the fsdp_dtensor save writes state_digest.json after the tracker: "
+                    "killed in between, the restart resumes 4 unproven (docs/crash-points.md)"),),
         ),
     )
 }  # fmt: skip
@@ -332,7 +334,8 @@ def error_line(output: str) -> str:
 
 
 def run_point(kind: SaveKind, base: Path, rec: Recording, point: Point, n: int) -> Outcome:
-    """Crash ``kind``'s command at ``point``, restart it unchanged, check the restart."""
+    """Crash ``kind``'s command at ``point`` (in ``base/<kind>/p<n>``), restart it unchanged,
+    check the restart; the directory is removed when the restart resumed right."""
     t0 = time.monotonic()
     work = _fresh(prepare(kind, base), base / kind.name / f"p{n:03d}")
     crash = _launch(kind, work, _trace_env(kind, work / ".fs-trace", point.targets), "crash.jsonl")
@@ -341,6 +344,8 @@ def run_point(kind: SaveKind, base: Path, rec: Recording, point: Point, n: int) 
         return Outcome(point, False, None, what, time.monotonic() - t0)
     restart = _launch(kind, work, {}, "restart.jsonl", settle=2.0)
     ok, resumed, what = check_restart(kind, restart, rec.losses)
+    if ok:  # a failing point's directory stays for a look
+        shutil.rmtree(work, ignore_errors=True)
     return Outcome(point, ok, resumed, what, time.monotonic() - t0)
 
 
