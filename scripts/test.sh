@@ -3,6 +3,8 @@
 #   scripts/test.sh                 # set up .venv if needed, then unit + functional tests (CPU)
 #   scripts/test.sh --quick         # fast lane: unit tests + one pretrain_gpt.py smoke run (< 3 min)
 #   scripts/test.sh -k replication  # extra arguments go to pytest (test paths replace tests/)
+#   scripts/test.sh -m sweep tests/functional_tests/test_crash_points.py   # the full crash-point
+#                                   # sweep (marker sweep, in no lane by default; ~40 min)
 # Integration tests (marker integration: the container install step in a fresh venv, a local SLURM
 # cluster) run only with MEGATRON_INTEGRATION_TESTS=1; CI leaves them out for time. With them, the
 # lane first runs scripts/setup_test_services.sh, which installs the Debian packages slurm-wlm and
@@ -67,4 +69,4 @@ fi
 if [ "${MEGATRON_SKIP_TEST_SERVICES:-0}" != 1 ]; then
   scripts/setup_test_services.sh || true   # single-node SLURM for test_slurm.py (skipped if it cannot install)
 fi
-exec .venv/bin/python -m pytest $where -m "not cluster" -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest $where -m "not cluster and not sweep" -p no:cacheprovider "$@"

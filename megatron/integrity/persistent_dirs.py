@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,7 @@ __all__ = [
     "Tracker",
     "check_chunk_cover",
     "complete_iterations",
+    "interrupted_torch_dist",
     "is_complete",
     "read_tracker",
     "resolve_persistent_dir",
@@ -93,19 +95,43 @@ def write_tracker(root: Union[str, os.PathLike], iteration: int) -> Path:
     return path
 
 
+#: What megatron-core's ``torch_dist`` save puts into DCP's ``.metadata``: its common state, one
+#: ``ShardedObject`` keyed ``common_state`` (``dist_checkpointing.serialization.save``).
+_MCORE_COMMON_STATE = b"common_state/shard_"
+
+
 def is_complete(d: Union[str, os.PathLike]) -> bool:
     """Whether iteration directory ``d`` holds a finished save: DCP's ``.metadata`` (written by
-    the coordinator after every rank's files; ``torch_dist`` and ``fsdp_dtensor``), or the
-    ``torch`` format's ``mp_rank_*/model_optim_rng.pt``. Its bytes are verified at load, not
-    here."""
+    the coordinator after every rank's files), for a ``torch_dist`` save followed by
+    megatron-core's ``metadata.json`` (:func:`interrupted_torch_dist`); ``fsdp_dtensor`` and
+    ``torch_dcp`` saves have ``.metadata`` only; or the ``torch`` format's
+    ``mp_rank_*/model_optim_rng.pt``. Its bytes are verified at load, not here."""
     if os.path.isfile(os.path.join(d, ".metadata")):
-        return True
+        return not interrupted_torch_dist(d)
     try:
         return any(
             n.startswith("mp_rank_") and os.path.isfile(os.path.join(d, n, "model_optim_rng.pt"))
             for n in os.listdir(d)
         )
     except OSError:
+        return False
+
+
+def interrupted_torch_dist(d: Union[str, os.PathLike]) -> bool:
+    """Whether ``d`` is a ``torch_dist`` save stopped between DCP's ``.metadata`` and
+    megatron-core's ``metadata.json`` (the coordinator writes them in that order): ``.metadata``
+    holds megatron-core's common state and ``metadata.json`` is missing. Upstream's load reads such
+    a directory as a plain ``torch_dcp`` checkpoint (``_get_checkpoint_format``: no valid
+    ``metadata.json``) and fails with ``Missing key in checkpoint state_dict: args``; a crash
+    there must resume the previous checkpoint instead. Reads ``.metadata``'s bytes (a search, no
+    unpickling) only when ``metadata.json`` is missing."""
+    if os.path.isfile(os.path.join(d, "metadata.json")):
+        return False
+    try:
+        with open(os.path.join(d, ".metadata"), "rb") as f:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return m.find(_MCORE_COMMON_STATE) >= 0
+    except (OSError, ValueError):  # missing, unreadable, or empty (mmap of 0 bytes)
         return False
 
 

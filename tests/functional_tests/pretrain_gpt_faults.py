@@ -35,11 +35,13 @@ if __name__ != "__mp_main__":  # as pretrain_gpt.SPAWNED: spawned processes need
     from tests.helpers import fault_injection
 else:  # a rank's helper, as in pretrain_gpt.py: killed when the rank dies
     from megatron.training_ext import lifetime
+    from tests.helpers import fs_trace
 
     lifetime.die_with_parent()
     from tests.helpers import fault_injection
 
     fault_injection.install_async_worker_kill_from_env()  # MEGATRON_TEST_KILL_ASYNC_WORKER
+    fs_trace.install(main=False)  # the async checkpoint worker's file operations (if armed)
 
 _PATCHER = Patcher("fault_injection")
 

@@ -16,6 +16,8 @@ Environment variables (none set: nothing is installed):
   before the first training step; ``MEGATRON_TEST_RNG_LOG=PATH``: each rank appends the digest of
   torch's CPU generator state as each iteration begins to ``PATH.<rank>``
   (:func:`install_step_probes`).
+* ``MEGATRON_TEST_FS_TRACE``: record the file-system operations of one save, or ``SIGKILL`` the
+  launch right before one (:mod:`tests.helpers.fs_trace`, :func:`install_fs_trace`).
 
 Every replacement goes through :mod:`megatron.overlay.registry` (owner ``fault_injection``);
 :func:`uninstall` restores them. Messages are printed as ``[fault-injection] ...`` lines.
@@ -34,6 +36,7 @@ from typing import Optional
 
 from megatron.overlay.registry import Patcher, wraps_upstream
 from megatron.training_ext.console import write_line
+from tests.helpers import fs_trace
 
 ENV_FAULT = "MEGATRON_TEST_FAULT"
 ENV_NAN = "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD"
@@ -235,6 +238,8 @@ def install_from_env(args) -> None:
     perturb, rng_log = os.environ.get(ENV_PERTURB), os.environ.get(ENV_RNG_LOG)
     if (perturb or rng_log) and "step_probes" not in _installed:
         install_step_probes(bool(perturb), rng_log)
+    if fs_trace.config() is not None and "fs_trace" not in _installed:
+        install_fs_trace()
     abort_spec = os.environ.get(ENV_ABORT_ASYNC)
     if abort_spec and "abort_async" not in _installed:
         if not abort_spec.isdigit() or not getattr(args, "async_save", False):
@@ -827,3 +832,46 @@ class _KillingFile:
 
     def __exit__(self, *exc):
         self._f.close()
+def install_fs_trace() -> None:
+    """Install :mod:`tests.helpers.fs_trace` in this rank and open its window where
+    ``MEGATRON_TEST_FS_TRACE`` says: ``save:K`` when ``save_checkpoint`` of iteration ``K`` is
+    entered (wraps ``megatron.training.training.save_checkpoint``, the name the training loop and
+    the final save call); ``load`` closes at the first training step (wraps ``train_step``)."""
+    import megatron.training.training as training
+
+    cfg = fs_trace.install(main=True)
+    window = cfg["window"]
+    if window.startswith("save:"):
+        at = int(window.split(":", 1)[1])
+        upstream = training.save_checkpoint
+
+        @wraps_upstream(upstream)
+        def save_checkpoint_traced(iteration, *a, **kw):
+            """Test-only: ``save_checkpoint``; the trace window opens at iteration ``K``."""
+            if iteration == at:
+                fs_trace.open_window()
+            return upstream(iteration, *a, **kw)
+
+        _PATCHER.replace(
+            training,
+            "save_checkpoint",
+            save_checkpoint_traced,
+            "test-only: open the file-system trace window at the save of one iteration "
+            f"({fs_trace.ENV}).",
+        )
+    else:
+        upstream = training.train_step
+
+        @wraps_upstream(upstream)
+        def train_step_traced(*a, **kw):
+            """Test-only: ``train_step``; the trace window (the start) closes at the first step."""
+            fs_trace.close_window()
+            return upstream(*a, **kw)
+
+        _PATCHER.replace(
+            training,
+            "train_step",
+            train_step_traced,
+            f"test-only: close the file-system trace window at the first step ({fs_trace.ENV}).",
+        )
+    _installed["fs_trace"] = True

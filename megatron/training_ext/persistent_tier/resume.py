@@ -13,7 +13,13 @@ from typing import Any, Optional, Union
 
 from megatron.integrity import persistent_dirs
 from megatron.overlay import Patch, wraps_upstream
-from megatron.training_ext.persistent_tier.common import TRACKER, tier_state
+from megatron.training_ext.console import rank0_line
+from megatron.training_ext.persistent_tier.common import (
+    LOG_PREFIX,
+    NON_PERSISTENT,
+    TRACKER,
+    tier_state,
+)
 
 __all__ = ["MODEL_SHAPE", "PATCHES", "check_model_shape", "check_resume_shape", "resume_point"]
 
@@ -154,18 +160,62 @@ def _wrap_read_metadata(orig):
     def read_metadata(tracker_filename):
         """megatron.training read_metadata that never exits with code 0 on a damaged tracker: one
         overruled by the newest complete checkpoint names nothing (``--ckpt-step`` then decides),
-        any other stops with the file named (megatron.training_ext.persistent_tier)."""
+        a global non-persistent one names the newest complete checkpoint beside it
+        (:func:`_damaged_non_persistent_tracker`), any other stops with the file named
+        (megatron.training_ext.persistent_tier)."""
         problem = persistent_dirs.read_tracker(os.path.dirname(tracker_filename) or ".").problem
         if problem is None:
             return orig(tracker_filename)
         if os.path.realpath(tracker_filename) in tier_state().overruled:
             return -1, False
+        non_persistent = _damaged_non_persistent_tracker(tracker_filename, problem)
+        if non_persistent is not None:
+            return non_persistent
         raise SystemExit(
             f"pretrain_gpt.py: {problem}; write the iteration to resume from into it, or remove it "
             f"(the newest complete checkpoint is then found by this fork)"
         )
 
     return read_metadata
+
+
+def _is_global_non_persistent_dir(root: str) -> bool:
+    """Whether ``root`` holds global non-persistent checkpoints: upstream's
+    ``<save>/non_persistent`` subdirectory, or ``--non-persistent-global-ckpt-dir``."""
+    if os.path.basename(os.path.normpath(root)) == NON_PERSISTENT:
+        return True
+    try:
+        from megatron.training.global_vars import get_args
+
+        given = getattr(get_args(), "non_persistent_global_ckpt_dir", None)
+    except Exception:  # noqa: BLE001 - no parsed arguments (a tool): only the default name counts
+        return False
+    return bool(given) and os.path.realpath(given) == os.path.realpath(root)
+
+
+def _damaged_non_persistent_tracker(tracker_filename: str, problem: str) -> Optional[tuple]:
+    """``read_metadata``'s answer for a damaged tracker of global non-persistent checkpoints, else
+    ``None``. Upstream writes that tracker in place (``open(..., 'w')``, then the number): a crash
+    between the two leaves it empty, and no resume point overrules it (that is the persistent
+    tracker's). Here, as for the persistent tracker, the newest complete directory beside it is
+    the truth: ``(iteration, False)`` for it, or ``(-1, False)`` when there is none (upstream's
+    "no non-persistent checkpoint": the persistent tier loads), each with one line on rank 0."""
+    root = os.path.dirname(tracker_filename) or "."
+    if not _is_global_non_persistent_dir(root):
+        return None
+    complete = persistent_dirs.complete_iterations(root)
+    if complete:
+        rank0_line(
+            LOG_PREFIX,
+            f"{problem} (a save stopped while writing it): the tracker is a hint, not the truth; "
+            f"resuming from the newest complete non-persistent checkpoint, iter_{complete[-1]:07d}",
+        )
+        return complete[-1], False
+    rank0_line(
+        LOG_PREFIX,
+        f"{problem} and {root} holds no complete checkpoint: no non-persistent checkpoint loads",
+    )
+    return -1, False
 
 
 def check_resume_shape(args: Any) -> None:

@@ -1,6 +1,10 @@
 """Which iteration directories count as a finished save, per checkpoint format."""
 
-from megatron.integrity.persistent_dirs import complete_iterations, is_complete
+from megatron.integrity.persistent_dirs import (
+    complete_iterations,
+    interrupted_torch_dist,
+    is_complete,
+)
 
 
 def _touch(p):
@@ -27,3 +31,33 @@ def test_each_format_finished_save_is_complete_and_partial_ones_are_not(tmp_path
     assert not is_complete(empty_rank_dir)
     assert not is_complete(tmp_path / "iter_0000099")  # absent
     assert complete_iterations(tmp_path) == [2, 4, 6]
+
+
+def test_a_torch_dist_save_stopped_before_metadata_json_is_not_complete(tmp_path):
+    """megatron-core writes DCP's ``.metadata`` (holding its ``common_state`` object), then
+    ``metadata.json``: killed in between, upstream's load reads the directory as ``torch_dcp`` and
+    fails (``Missing key in checkpoint state_dict: args``), so it is not a finished save; an
+    ``fsdp_dtensor`` / ``torch_dcp`` save (``.metadata`` without megatron's common state) is."""
+    common = b"\x80\x04...common_state/shard_0_1...embedding.word_embeddings.weight..."
+    stopped = tmp_path / "iter_0000004"
+    (stopped / ".metadata").parent.mkdir(parents=True)
+    (stopped / ".metadata").write_bytes(common)
+    _touch(stopped / "__0_0.distcp")
+    finished = tmp_path / "iter_0000002"
+    finished.mkdir()
+    (finished / ".metadata").write_bytes(common)
+    _touch(finished / "metadata.json")
+    dcp_only = tmp_path / "iter_0000006"
+    dcp_only.mkdir()
+    (dcp_only / ".metadata").write_bytes(b"\x80\x04...model.decoder.layers.0.weight...")
+    empty = tmp_path / "iter_0000008"
+    _touch(empty / "metadata.json")
+    (empty / ".metadata").write_bytes(b"")
+
+    assert [interrupted_torch_dist(d) for d in (stopped, finished, dcp_only)] == [
+        True,
+        False,
+        False,
+    ]
+    assert [is_complete(d) for d in (stopped, finished, dcp_only)] == [False, True, True]
+    assert complete_iterations(tmp_path) == [2, 6, 8]

@@ -196,3 +196,29 @@ def test_upstream_exits_with_code_0_on_a_damaged_tracker(tmp_path):
     with pytest.raises(SystemExit) as e:
         upstream(str(tmp_path / "latest_checkpointed_iteration.txt"))
     assert e.value.code is None
+
+
+def test_torn_non_persistent_tracker_names_the_newest_complete_beside_it(tmp_path, capsys):
+    """Upstream writes the global non-persistent tracker in place: killed between the open and
+    the write (found by the crash-point sweep, ``docs/crash-points.md``), it is empty. The start
+    resumes the newest complete non-persistent checkpoint instead of stopping (exit 1, naming a
+    remedy, removing the file, that would start from scratch); with none, no non-persistent
+    checkpoint loads (upstream's -1)."""
+    from megatron.training import checkpointing
+
+    root = tmp_path / "ck" / "non_persistent"
+    _complete(root, 4, 6)
+    (root / "iter_0000008").mkdir()  # a save cut off
+    _tracker(root, "")
+    wrapped = pt_resume._wrap_read_metadata(checkpointing.read_metadata)
+    assert wrapped(str(root / "latest_checkpointed_iteration.txt")) == (6, False)
+    out = capsys.readouterr().out
+    assert "holds '', not an iteration number (a save stopped while writing it)" in out
+    assert "resuming from the newest complete non-persistent checkpoint, iter_0000006" in out
+    empty = tmp_path / "other" / "non_persistent"
+    empty.mkdir(parents=True)
+    _tracker(empty, "")
+    assert wrapped(str(empty / "latest_checkpointed_iteration.txt")) == (-1, False)
+    assert "holds no complete checkpoint: no non-persistent checkpoint loads" in (
+        capsys.readouterr().out
+    )
