@@ -832,6 +832,8 @@ class _KillingFile:
 
     def __exit__(self, *exc):
         self._f.close()
+
+
 def install_fs_trace() -> None:
     """Install :mod:`tests.helpers.fs_trace` in this rank and open its window where
     ``MEGATRON_TEST_FS_TRACE`` says: ``save:K`` when ``save_checkpoint`` of iteration ``K`` is
