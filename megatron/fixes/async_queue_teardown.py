@@ -16,7 +16,10 @@ of a fixed upstream is by behaviour: upstream's own function, called with a stan
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
+import warnings
 from typing import Callable
 
 from megatron.fixes.standins import StandInArgs, replaced, upstream_own
@@ -68,7 +71,12 @@ def upstream_keeps_closed_queue(fn: Callable | None = None) -> bool | None:
     fn = fn or upstream_own(au.maybe_finalize_async_save)
     queue = _StandInQueue()
     args = StandInArgs(async_save=True)
-    with replaced(au, _async_calls_queue=queue, get_args=lambda: args):
+    with (
+        replaced(au, _async_calls_queue=queue, get_args=lambda: args),
+        contextlib.redirect_stdout(io.StringIO()),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")  # upstream's rank lookup warns without a group
         fn(blocking=True, terminate=True)
         kept = au._async_calls_queue is queue
     if not queue.closed:

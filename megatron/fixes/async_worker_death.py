@@ -39,6 +39,7 @@ import time
 from typing import Any, Callable, Optional
 
 from megatron.overlay import Fix, Patch, alias_of, value
+from megatron.overlay.errors import OverlayError
 from megatron.overlay.registry import wraps_upstream
 
 logger = logging.getLogger("megatron.fixes.async_worker_death")
@@ -54,7 +55,7 @@ ABORT_GRACE_S = 2.0
 _SAVING = threading.local()
 
 
-class AsyncWorkerDied(RuntimeError):
+class AsyncWorkerDied(OverlayError, RuntimeError):
     """A persistent checkpoint worker is dead while a save it was given is unfinished.
 
     Attributes:

@@ -154,6 +154,11 @@ def test_cli_lists_fixes(fixes_cli):
         "rng_state_ep",
         "fsdp_rng",
         "missing_checkpoint_exit",
+        "async_queue_teardown",
+        "async_final_save",
+        "async_worker_death",
+        "nonpersistent_retention",
+        "atomic_tracker",
     )
     for name in names:
         assert f"{name}:" in out.stdout

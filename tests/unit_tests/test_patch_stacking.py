@@ -28,8 +28,16 @@ DECLARED_STACKS = {
         "rng_state_ep",
         "resume_proof",
     ],
-    "megatron.training.checkpointing.save_checkpoint": ["modelopt_state", "resume_proof"],
-    "megatron.training.training.save_checkpoint": ["modelopt_state", "resume_proof"],
+    "megatron.training.checkpointing.save_checkpoint": [
+        "modelopt_state",
+        "async_worker_death",
+        "resume_proof",
+    ],
+    "megatron.training.training.save_checkpoint": [
+        "modelopt_state",
+        "async_worker_death",
+        "resume_proof",
+    ],
     "megatron.training.checkpointing._load_base_checkpoint": [
         "modelopt_state",
         "missing_checkpoint_exit",
@@ -51,6 +59,12 @@ DECLARED_STACKS = {
     ],
     "megatron.training.training.training_log": ["training_log", "loss_log"],
     "megatron.training.checkpointing.get_rng_state": ["rng_state_ep", "fsdp_rng"],
+    # the teardown fix drops the closed queue; the final-save fix defers train()'s terminate
+    # outside it (its deferred terminate goes through async_utils, wrapped by the first)
+    "megatron.training.training.maybe_finalize_async_save": [
+        "async_queue_teardown",
+        "async_final_save",
+    ],
 }
 
 
