@@ -192,6 +192,8 @@ def test_node_lost_without_spare_resumes_at_dp2_then_grows_back(tmp_path, node_b
     }
 
     # the spares return: 4 ranks (node B's directory empty) resume from local 16 written at DP 2
+    # (the DP 2 job lost right after its local save of 16: not the planned exit's persistent one)
+    lose_exit_save(work / "ckpt", 16)
     grow = run_pretrain(work, *_args("nodeA/local", 2, 18, DISTOPT), nproc=4, loss_file="dp4.jsonl")
     assert grow.first_iteration() == 17 and sorted(grow.losses) == [17, 18], grow.output[-4000:]
     assert "written at DP 2 (world size 2) resumed at DP 4 (world size 4)" in grow.output
