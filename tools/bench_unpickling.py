@@ -11,7 +11,8 @@ added through ``torch.serialization.safe_globals``), its header (the local tier'
 pickle without tensors), a persistent checkpoint's ``.metadata`` and a whole DCP load of it (every
 tensor and byte object through ``torch.distributed.checkpoint.load``, upstream's reader and
 planner against the restricted ``read_metadata``/``load_bytes``). Times are medians (ms) of the
-rounds, with the fastest round in brackets.
+rounds, with the fastest round in brackets, wall-clock and CPU time of this process (the second
+is what to compare on a machine that other jobs load).
 """
 
 from __future__ import annotations
@@ -130,15 +131,15 @@ def _persistent_variants(ckpt: str) -> dict:
 
 def measure(variants: dict, rounds: int) -> dict:
     """Interleaved: each round runs every variant once, in turn (after one warm-up each).
-    Returns name -> list of seconds."""
+    Returns name -> list of (wall seconds, CPU seconds of this process)."""
     for fn in variants.values():
         fn()
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
@@ -163,9 +164,14 @@ def main(argv=None) -> int:
         variants.update(_persistent_variants(a.persistent_dir))
     times = measure(variants, a.rounds)
     width = max(len(n) for n in times)
-    print(f"{'load':<{width}}  median ms (fastest)   rounds: {a.rounds}, interleaved")
+    print(f"rounds: {a.rounds}, interleaved; ms: median (fastest round)")
+    print(f"{'load':<{width}}  {'wall':>18}  {'CPU of this process':>20}")
     for name, ts in times.items():
-        print(f"{name:<{width}}  {statistics.median(ts) * 1e3:9.2f} ({min(ts) * 1e3:.2f})")
+        wall, cpu = [t[0] * 1e3 for t in ts], [t[1] * 1e3 for t in ts]
+        print(
+            f"{name:<{width}}  {statistics.median(wall):9.2f} ({min(wall):6.2f})  "
+            f"{statistics.median(cpu):11.2f} ({min(cpu):6.2f})"
+        )
     return 0
 
 

@@ -81,7 +81,10 @@ def restricted_reader(checkpoint_dir: Union[str, os.PathLike]) -> "FileSystemRea
     from torch.distributed.checkpoint import FileSystemReader
 
     class RestrictedFileSystemReader(FileSystemReader):
+        """``FileSystemReader`` whose ``.metadata`` is unpickled restricted."""
+
         def read_metadata(self, *args, **kwargs):
+            """:func:`read_metadata` of this reader (``rank`` as upstream's keyword)."""
             return read_metadata(self, kwargs.get("rank"))
 
     return RestrictedFileSystemReader(str(checkpoint_dir))

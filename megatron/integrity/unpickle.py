@@ -208,6 +208,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     before importing anything else)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        """The global ``module.name`` when allowed (imported only then), else ``_Refused``."""
         module, name = _py3_name(module, name)
         full = f"{module}.{name}"
         if not allowed(full):

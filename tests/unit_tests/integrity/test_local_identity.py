@@ -130,12 +130,9 @@ def test_identity_problems_name_what_differs():
     assert "without a run identity" in p
 
 
-class Holder:  # stands in for a TensorAwareStateDict: tensors plus record attributes
-    pass
-
-
 def test_read_header_gives_the_records_without_tensor_data(tmp_path):
-    h = Holder()
+    # stands in for a TensorAwareStateDict (tensors plus record attributes): an allowed class
+    h = types.SimpleNamespace()
     h.tensors = [torch.arange(1000, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16)]
     setattr(h, li.IDENTITY_ATTR, {"format": li.IDENTITY_FORMAT, "version": 1, "iteration": 3})
     path = tmp_path / "iter_0000003_0_local.pt"
@@ -150,7 +147,7 @@ def test_read_header_gives_the_records_without_tensor_data(tmp_path):
 
 
 def test_get_identity_rejects_unknown_records():
-    h = Holder()
+    h = types.SimpleNamespace()
     setattr(h, li.IDENTITY_ATTR, {"format": "something else"})
     with pytest.raises(ValueError, match="unknown identity record"):
         li.get_identity(h)
