@@ -155,8 +155,6 @@ KINDS: dict[str, SaveKind] = {
              "--save-interval", "2", *_FSDP],
             ["ckpt"], target=4, older=2, train_iters=4,
             env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
-            known=(("new", "the fsdp_dtensor save writes state_digest.json after the tracker: "
-                    "killed in between, the restart resumes 4 unproven (docs/crash-points.md)"),),
         ),
     )
 }  # fmt: skip
