@@ -119,14 +119,20 @@ def is_complete(d: Union[str, os.PathLike]) -> bool:
 
 def interrupted_torch_dist(d: Union[str, os.PathLike]) -> bool:
     """Whether ``d`` is a ``torch_dist`` save stopped between DCP's ``.metadata`` and
-    megatron-core's ``metadata.json`` (the coordinator writes them in that order): ``.metadata``
-    holds megatron-core's common state and ``metadata.json`` is missing. Upstream's load reads such
-    a directory as a plain ``torch_dcp`` checkpoint (``_get_checkpoint_format``: no valid
-    ``metadata.json``) and fails with ``Missing key in checkpoint state_dict: args``; a crash
-    there must resume the previous checkpoint instead. Reads ``.metadata``'s bytes (a search, no
-    unpickling) only when ``metadata.json`` is missing."""
-    if os.path.isfile(os.path.join(d, "metadata.json")):
-        return False
+    megatron-core's ``metadata.json`` (the coordinator writes them in that order, the latter in
+    place): ``.metadata`` holds megatron-core's common state and ``metadata.json`` is missing or
+    not a JSON object (empty: killed between its open and its write). Upstream's load reads a
+    directory without ``metadata.json`` as a plain ``torch_dcp`` checkpoint
+    (``_get_checkpoint_format``) and fails with ``Missing key in checkpoint state_dict: args``,
+    and one with an empty ``metadata.json`` with a ``JSONDecodeError``; a crash there must resume
+    the previous checkpoint instead. Reads ``.metadata``'s bytes (a search, no unpickling) only
+    when ``metadata.json`` is not valid."""
+    try:
+        with open(os.path.join(d, "metadata.json")) as f:
+            if isinstance(json.load(f), dict):
+                return False
+    except (OSError, ValueError):  # missing, or torn (upstream writes it in place): no config
+        pass
     try:
         with open(os.path.join(d, ".metadata"), "rb") as f:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

@@ -132,15 +132,12 @@ KINDS: dict[str, SaveKind] = {
             "async",
             [*_PERSISTENT, "--save-interval", "2", "--async-save"],
             ["ckpt"], target=4, older=2, train_iters=4, setup=_async_setup,
-            known=(("2", "a killed async save leaves a partial iter_N (Megatron-LM issue 6970)"),),
         ),
         SaveKind(
             "global",
             [*_PERSISTENT, "--save-interval", "1000", "--non-persistent-ckpt-type", "global",
              "--non-persistent-save-interval", "2"],
             ["ckpt/non_persistent"], target=6, older=4, train_iters=6,
-            known=(("3", "retention deletes the checkpoint the tracker names before the new one "
-                    "is complete (Megatron-Bridge PRs 4678, 5184)"),),
         ),
         SaveKind(
             "local-reshard",
@@ -155,8 +152,6 @@ KINDS: dict[str, SaveKind] = {
              "--save-interval", "2", *_FSDP],
             ["ckpt"], target=4, older=2, train_iters=4,
             env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
-            known=(("new", "the fsdp_dtensor save writes state_digest.json after the tracker: "
-                    "killed in between, the restart resumes 4 unproven (docs/crash-points.md)"),),
         ),
     )
 }  # fmt: skip

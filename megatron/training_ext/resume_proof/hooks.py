@@ -184,6 +184,26 @@ def take_deferred_digest():
     return deferred
 
 
+def _wrap_dcp_save(orig):
+    @wraps_upstream(orig)
+    def save(*a, **kw):
+        """torch's ``distributed.checkpoint.save``; when it writes the iteration directory of a
+        save whose state digest is pending (``save_checkpoint``'s ``fsdp_dtensor`` and
+        ``torch_dcp`` formats call it directly, after creating the directory), the digest is
+        written first: DCP's ``.metadata`` makes the directory complete, and the tracker follows,
+        so a crash at any point leaves no complete checkpoint whose load cannot be proven
+        (resume_proof)."""
+        st = proof_state()
+        if st is not None and st.pending is not None and not st.written:
+            writer = kw.get("storage_writer", a[1] if len(a) > 1 else None)
+            path = getattr(writer, "path", None) or kw.get("checkpoint_id")
+            if path is not None and os.path.isdir(path):
+                write_pending(path)
+        return orig(*a, **kw)
+
+    return save
+
+
 def _wrap_generate_state_dict(orig):
     @wraps_upstream(orig)
     def generate_state_dict(*a, **kw):
@@ -384,6 +404,11 @@ PATCHES = (
         "megatron.training.training.save_checkpoint",
         alias_of(f"{_CKPT}.save_checkpoint", only_if_same=True),
         _WHY_SAVE + " (train()'s binding)",
+    ),
+    Patch(
+        "torch.distributed.checkpoint.save",
+        _wrap_dcp_save,
+        "an fsdp_dtensor or torch_dcp save's digest is written before its .metadata and tracker",
     ),
     Patch(
         f"{_CKPT}.generate_state_dict",

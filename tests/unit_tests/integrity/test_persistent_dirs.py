@@ -46,18 +46,24 @@ def test_a_torch_dist_save_stopped_before_metadata_json_is_not_complete(tmp_path
     finished = tmp_path / "iter_0000002"
     finished.mkdir()
     (finished / ".metadata").write_bytes(common)
-    _touch(finished / "metadata.json")
+    (finished / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     dcp_only = tmp_path / "iter_0000006"
     dcp_only.mkdir()
     (dcp_only / ".metadata").write_bytes(b"\x80\x04...model.decoder.layers.0.weight...")
     empty = tmp_path / "iter_0000008"
-    _touch(empty / "metadata.json")
+    (empty / "metadata.json").parent.mkdir()
+    (empty / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     (empty / ".metadata").write_bytes(b"")
+    torn = tmp_path / "iter_0000010"  # killed between metadata.json's open and its write
+    torn.mkdir()
+    (torn / ".metadata").write_bytes(common)
+    (torn / "metadata.json").write_bytes(b"")
 
-    assert [interrupted_torch_dist(d) for d in (stopped, finished, dcp_only)] == [
+    assert [interrupted_torch_dist(d) for d in (stopped, finished, dcp_only, torn)] == [
         True,
         False,
         False,
+        True,
     ]
     assert [is_complete(d) for d in (stopped, finished, dcp_only)] == [False, True, True]
     assert complete_iterations(tmp_path) == [2, 6, 8]
