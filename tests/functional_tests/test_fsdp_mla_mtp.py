@@ -202,7 +202,12 @@ def test_tp2_reload_from_other_seed_restores_every_entry_bitwise(tmp_path):
     (the MLA down projections are duplicated across TP ranks, the up projections and the MLP
     split; FSDP shards each TP rank's part unevenly)."""
     model = MODEL + ["--tensor-model-parallel-size", "2"]
-    train_straight(tmp_path / "straight", model, iterations=2, nproc=4, env=ENV)
+    # saved with upstream's data loaders (fix data_loader_rng off): only TP rank 0 builds them
+    # and draws from its CPU generator, so the TP ranks' saved torch streams differ and a load
+    # that gives TP rank 1 rank 0's stream (the fsdp_rng guard below) shows; with the fix every
+    # TP rank's stream is its seed's, the same on both, and the wrong key would go unseen
+    straight_env = {**ENV, "MEGATRON_FIXES_DISABLE": "data_loader_rng"}
+    train_straight(tmp_path / "straight", model, iterations=2, nproc=4, env=straight_env)
     want, got = resave_from_other_seed(tmp_path / "straight", tmp_path, model, nproc=4, env=ENV)
     assert_unfused_layout(want)
     assert_checkpoints_bitwise(want, got)
