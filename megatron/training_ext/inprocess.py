@@ -476,6 +476,8 @@ def _attempt_fn(run: _Run, args: Any, parse_args: Callable, train: Callable, for
         except BaseException as e:
             run.record(_cause_of(e))
             run.failed = e  # its frames are released by the reset (no async interrupt there)
+            if os.environ.get("MEGATRON_INPROCESS_TRACEBACKS"):
+                traceback.print_exc()
             raise
         return 0
 
