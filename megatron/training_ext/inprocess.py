@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from nvidia_resiliency_ext import inprocess
 
+from megatron.overlay.errors import OverlayError
 from megatron.training_ext.console import write_line
 
 __all__ = [
@@ -57,7 +58,7 @@ _FINALIZE_TIMEOUT = datetime.timedelta(seconds=10)  # upstream's
 _CPU_FINALIZE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-class AttemptRestart(RuntimeError):
+class AttemptRestart(OverlayError, RuntimeError):
     """An attempt that ended with an exit code meaning "start again" (the local tier's NaN window:
     75): raised instead, so that the Wrapper restarts in process."""
 
