@@ -261,15 +261,14 @@ def app_store() -> torch.distributed.TCPStore:
 
 
 def _drop_leftover_groups() -> None:
-    """The process groups ``parallel_state.destroy_model_parallel`` leaves set (megatron-core
-    0.19.2: the intra-partial data-parallel groups with CP), set to ``None``."""
+    """Set to ``None`` every process group ``parallel_state.destroy_model_parallel`` leaves in a
+    module global (megatron-core 0.19.2: ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its
+    gloo twin; upstream main also ``..._WITH_GTP_REMAT``): a fresh process has none, and a kept
+    gloo group keeps its peers blocked in a collective of the failed attempt."""
     from megatron.core import parallel_state
 
-    for name in (
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    ):
-        if getattr(parallel_state, name, None) is not None:
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, torch.distributed.ProcessGroup):
             setattr(parallel_state, name, None)
 
 

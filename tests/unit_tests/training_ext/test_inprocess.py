@@ -120,3 +120,16 @@ def test_several_faults_and_raise():
         (1, 6, True),
         (0, 9, False),
     ]
+
+
+def test_leftover_process_groups_are_dropped(monkeypatch):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    class FakeGroup(dist.ProcessGroup):
+        def __init__(self):
+            super().__init__(0, 1)
+
+    monkeypatch.setattr(parallel_state, "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", FakeGroup())
+    inprocess_mod._drop_leftover_groups()
+    assert parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP is None
