@@ -221,10 +221,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def main() -> None:
-    from megatron.training_ext import lifetime
-
-    lifetime.helpers_die_with_this_process()  # no checkpoint worker outlives this rank
+def parse_args():
+    """Parse and validate the command line (upstream's, then this fork's flags); sets upstream's
+    global arguments, tokenizer, writers and timers."""
     args = arg_errors.parse_and_validate_args(  # upstream's; its bare asserts become messages
         parse_and_validate_args,
         fork_args.entrypoint_parser,
@@ -232,6 +231,13 @@ def main() -> None:
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     fork_args.validate_fork_args(args)
+    return args
+
+
+def train(args, store=None, call_wrapper=None, forward_step_func=forward_step) -> None:
+    """One start of training for parsed ``args``: the start checks, this fork's components, then
+    upstream's ``pretrain``. With in-process restart, once per attempt: ``store`` and
+    ``call_wrapper`` as upstream's ``pretrain`` takes them (``megatron.training_ext.inprocess``)."""
     fork_args.check_run_setup(args)
     model_cfg = gpt_config_from_args(args)
     if args.cpu:
@@ -248,9 +254,27 @@ def main() -> None:
     # megatron.training_ext.shutdown
     run_then_destroy_process_groups(
         lambda: pretrain(
-            cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step
+            cfg,
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step_func,
+            store=store,
+            inprocess_call_wrapper=call_wrapper,
         )
     )
+
+
+def main() -> None:
+    from megatron.training_ext import lifetime
+
+    lifetime.helpers_die_with_this_process()  # no checkpoint worker outlives this rank
+    args = parse_args()
+    if args.inprocess_restart:  # NVRx's Wrapper runs train() once per attempt
+        from megatron.training_ext import inprocess
+
+        inprocess.run(args, parse_args, train, forward_step)
+        return
+    train(args)
 
 
 if __name__ == "__main__":

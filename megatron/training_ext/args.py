@@ -352,9 +352,8 @@ def validate_fork_args(args: argparse.Namespace) -> None:
 
 def check_run_setup(args: argparse.Namespace) -> None:
     """Refuse, on every rank and before any model is built, a start whose setup would fail late or
-    lose work: ``--inprocess-restart`` (silently ignored by upstream's flag handling here), no
-    training data (:func:`megatron.training_ext.data_checks.check_data_args`), a ``--load`` naming
-    an iteration directory, a model shape other than the checkpoint's
+    lose work: no training data (:func:`megatron.training_ext.data_checks.check_data_args`), a
+    ``--load`` naming an iteration directory, a model shape other than the checkpoint's
     (:func:`megatron.training_ext.persistent_tier.check_resume_shape`), a ``--save`` or local
     checkpoint directory that cannot take a checkpoint (:mod:`megatron.training_ext.start_checks`),
     or a ``--save`` holding checkpoints this run does
@@ -375,14 +374,6 @@ def check_run_setup(args: argparse.Namespace) -> None:
 
     unpickle.POLICY.unrestricted = bool(getattr(args, "unrestricted_unpickling", False))
     try:
-        if getattr(args, "inprocess_restart", False):
-            raise SystemExit(
-                "pretrain_gpt.py: --inprocess-restart is not supported by this entrypoint "
-                "(upstream's flag would be ignored: nothing wraps the training function, "
-                "and the local tier's per-process decisions would carry over between "
-                "attempts); restart in place with ft_launcher's in-job restart instead "
-                "(examples/ft_launcher, README)"
-            )
         data_checks.check_data_args(args)
         start_checks.check_load_dir(args)
         persistent_tier.check_resume_shape(args)

@@ -30,6 +30,12 @@ _WINDOW = 1 << 20
 _CHECKED: Dict[Tuple[Tuple[str, ...], int], Dict[str, int]] = {}
 
 
+def clear_cache() -> None:
+    """Forget the token-id checks done in this process (a new attempt of in-process restart checks
+    its data afresh, as a new process would)."""
+    _CHECKED.clear()
+
+
 def check_data_args(args: Any) -> None:
     """Refuse a training run without data.
 

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-__all__ = ["PARENT_ENV", "die_with_parent", "helpers_die_with_this_process"]
+__all__ = ["PARENT_ENV", "die_with_parent", "forks_outlive", "helpers_die_with_this_process"]
 
 #: The pid of the process a helper was started by (set by the parent before it spawns or forks):
 #: a helper whose parent died before it could ask to die with it leaves at once.
@@ -57,7 +57,19 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    die_with_parent(_forking_parent[0])
+    if not _outlive[0]:
+        die_with_parent(_forking_parent[0])
+
+
+_outlive = [False]
+
+
+def forks_outlive(on: bool) -> None:
+    """While ``on``, processes this one forks (and what they fork) are not bound to it: NVRx's
+    in-process restart monitor, a daemon started by a double fork whose middle process exits at
+    once, must outlive its parents to watch the rank (bound, it is killed as soon as it starts
+    and the rank waits for it forever). Set it back to False once that daemon runs."""
+    _outlive[0] = bool(on)
 
 
 _installed = [False]

@@ -243,7 +243,8 @@ def release_all() -> None:
 def acquire(args: Any) -> List[Hold]:
     """Hold ``--save`` (global rank 0 leads) and the local checkpoint directory
     (``--non-persistent-local-ckpt-dir`` with local checkpoints; local rank 0 of each node leads)
-    for this launch; every other rank waits until its leader holds them.
+    for this launch; every other rank waits until its leader holds them. A second call in the
+    same process (the next attempt of an in-process restart) keeps the holds it leads.
 
     Returns:
         The holds this process leads (refreshed every :data:`HEARTBEAT_S` seconds by a daemon
@@ -266,17 +267,21 @@ def acquire(args: Any) -> List[Hold]:
         wanted.append(
             ("--non-persistent-local-ckpt-dir", local, int(os.environ.get("LOCAL_RANK", 0)) == 0)
         )
-    led = []
+    led, fresh = [], []
+    held = {(h.path, h.key) for h in _HELD}  # a new attempt of in-process restart: still held
     for flag, directory, leader in wanted:
         hold = Hold(flag, directory, key, os.path.join(directory, HOLD_NAME))
-        if leader:
+        if leader and (hold.path, hold.key) in held:
+            led.append(hold)
+        elif leader:
             os.makedirs(directory, exist_ok=True)
             _lead(hold, timeout, take)
             led.append(hold)
+            fresh.append(hold)
             _HELD.append(hold)
         else:
             _follow(hold, timeout)
-    if led:
+    if fresh:
         global _STOP
         _STOP = threading.Event()
         atexit.register(release_all)

@@ -55,8 +55,15 @@ _installed: dict = {}
 _PATCHER = Patcher("fault_injection")
 
 
+def parse_faults(spec: str) -> list:
+    """Parse ``MEGATRON_TEST_FAULT``: one or more :func:`parse_fault` specs separated by ``;``
+    (several faults in one run, e.g. one per attempt of an in-process restart)."""
+    return [parse_fault(part) for part in spec.split(";") if part.strip()]
+
+
 def parse_fault(spec: str) -> dict:
-    """Parse ``MEGATRON_TEST_FAULT="rank=R,iteration=K[,wipe_local=1][,corrupt=PATH][,once=PATH]"``.
+    """Parse ``MEGATRON_TEST_FAULT="rank=R,iteration=K[,wipe_local=1][,corrupt=PATH][,once=PATH]
+    [,raise=1]"``.
 
     When global rank ``R`` is about to run iteration ``K + 1`` (iteration ``K`` and every
     checkpoint saved at ``K`` are complete), it deletes its own local checkpoint directory
@@ -65,28 +72,31 @@ def parse_fault(spec: str) -> dict:
     :func:`flip_byte_in_largest_storage`), then leaves with ``os._exit(1)``, like a crashed process.
     ``once=PATH``: the fault fires only if ``PATH`` does not exist, and creates it (an in-job
     restart runs iteration ``K + 1`` again; without it the fault would fire on every restart).
+    ``raise=1``: instead of leaving, the rank raises ``RuntimeError`` (an exception on one rank,
+    which in-process restart handles in the same process).
 
     Returns:
-        dict with int ``rank``, ``iteration``, bool ``wipe_local``, optional str ``corrupt``,
-        ``once``.
+        dict with int ``rank``, ``iteration``, bool ``wipe_local``, ``raise``, optional str
+        ``corrupt``, ``once``.
 
     Raises:
         ValueError: unknown key, missing ``rank``/``iteration``, or a non-integer value.
     """
-    out: dict = {"wipe_local": False, "corrupt": None, "once": None}
+    out: dict = {"wipe_local": False, "corrupt": None, "once": None, "raise": False}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, value = part.partition("=")
         if not sep:
             raise ValueError(f"{ENV_FAULT}: '{part}' is not key=value")
         if key in ("rank", "iteration"):
             out[key] = int(value)
-        elif key == "wipe_local":
+        elif key in ("wipe_local", "raise"):
             out[key] = value not in ("0", "", "false", "no")
         elif key in ("corrupt", "once"):
             out[key] = value
         else:
             raise ValueError(
-                f"{ENV_FAULT}: unknown key '{key}' (rank, iteration, wipe_local, corrupt, once)"
+                f"{ENV_FAULT}: unknown key '{key}' (rank, iteration, wipe_local, corrupt, once, "
+                "raise)"
             )
     if "rank" not in out or "iteration" not in out:
         raise ValueError(f"{ENV_FAULT}: rank= and iteration= are required, got '{spec}'")
@@ -224,11 +234,11 @@ def install_from_env(args) -> None:
     """
     fault_spec, nan_spec = os.environ.get(ENV_FAULT), os.environ.get(ENV_NAN)
     kill_spec = os.environ.get(ENV_KILL_LOCAL_SAVE)
-    fault = parse_fault(fault_spec) if fault_spec else None
+    faults = parse_faults(fault_spec) if fault_spec else []
     nan_at: Optional[int] = int(nan_spec) if nan_spec else None
     kill = parse_local_save_kill(kill_spec) if kill_spec else None
-    if (fault is not None or nan_at is not None) and "train_step" not in _installed:
-        _install_train_step(args, fault, nan_at)
+    if (faults or nan_at is not None) and "train_step" not in _installed:
+        _install_train_step(args, faults, nan_at)
     if kill is not None and "local_manager" not in _installed:
         install_local_save_kill(kill)
     full_spec = os.environ.get(ENV_DISK_FULL)
@@ -256,7 +266,29 @@ def uninstall() -> None:
     _kill_state.clear()
 
 
-def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> None:
+def _fire(fault: dict, rank: int, iteration: int, local_root: Optional[str]) -> None:
+    """Fire ``fault`` (:func:`parse_fault`) on this rank before iteration ``iteration + 1``."""
+    once = fault["once"]
+    if once and os.path.exists(once):
+        return
+    if once:
+        Path(once).touch()
+    if fault["wipe_local"] and local_root:
+        shutil.rmtree(os.path.join(local_root, str(rank)), ignore_errors=True)
+        _say(f"rank {rank}: deleted its local checkpoint directory {local_root}/{rank}")
+    if fault["corrupt"]:
+        pos = flip_byte_in_largest_storage(fault["corrupt"])
+        _say(f"rank {rank}: flipped a byte at offset {pos} of {fault['corrupt']}")
+    if fault["raise"]:
+        _say(f"rank {rank}: raising RuntimeError before iteration {iteration + 1}")
+        raise RuntimeError(f"injected fault: rank {rank} before iteration {iteration + 1}")
+    _say(f"rank {rank}: crashing (os._exit(1)) before iteration {iteration + 1}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _install_train_step(args, faults: list, nan_at: Optional[int]) -> None:
     local_root = getattr(args, "non_persistent_local_ckpt_dir", None)
 
     import megatron.training.training as training
@@ -275,21 +307,9 @@ def _install_train_step(args, fault: Optional[dict], nan_at: Optional[int]) -> N
         bound = sig.bind(*a, **kw).arguments
         iteration = bound.get("iteration")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if fault is not None and iteration == fault["iteration"] and rank == fault["rank"]:
-            once = fault["once"]
-            if not (once and os.path.exists(once)):
-                if once:
-                    Path(once).touch()
-                if fault["wipe_local"] and local_root:
-                    shutil.rmtree(os.path.join(local_root, str(rank)), ignore_errors=True)
-                    _say(f"rank {rank}: deleted its local checkpoint directory {local_root}/{rank}")
-                if fault["corrupt"]:
-                    pos = flip_byte_in_largest_storage(fault["corrupt"])
-                    _say(f"rank {rank}: flipped a byte at offset {pos} of {fault['corrupt']}")
-                _say(f"rank {rank}: crashing (os._exit(1)) before iteration {iteration + 1}")
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(1)
+        for fault in faults:
+            if iteration == fault["iteration"] and rank == fault["rank"]:
+                _fire(fault, rank, iteration, local_root)
         if (
             nan_at is not None
             and iteration is not None

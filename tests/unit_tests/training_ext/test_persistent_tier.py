@@ -231,14 +231,3 @@ def test_a_second_start_in_one_process_verifies_again():
         assert pt.COMPONENT.state.verified == {}
     finally:
         pt.uninstall()
-
-
-def test_inprocess_restart_is_refused_naming_ft_launcher():
-    from megatron.training_ext.args import check_run_setup
-
-    args = _args(inprocess_restart=True, mock_data=True)
-    with pytest.raises(
-        SystemExit, match="--inprocess-restart is not supported.*ft_launcher's in-job restart"
-    ):
-        check_run_setup(args)
-    check_run_setup(_args(inprocess_restart=False, mock_data=True))

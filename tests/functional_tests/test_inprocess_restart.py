@@ -1,0 +1,111 @@
+"""In-process restart (``--inprocess-restart``) on the real entrypoint (2 ranks, ``--cpu``, gloo,
+the forked launcher: NVRx's Wrapper runs in the forked ranks).
+
+One launch (``--train-iters 16 --exit-interval 14``, persistent checkpoints every 5, local every 2
+replicated): rank 1 raises before iteration 7 (attempt 1 resumes from local 6 in the same PIDs),
+raises again before 9 after deleting its local directory (attempt 2 resumes from local 8, its
+shard repaired from the replica), the loss turns NaN at 10 after that local resume (the NaN window
+marks the tier bad; attempt 3 loads persistent 5: no loop); the losses of 6-14 are bitwise those
+of an uninterrupted run. A second launch raises on every attempt: every rank gives up with one
+line and a non-zero exit.
+
+Budget: about 90 s for the fault launch with its shared reference run, plus the exhausted one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import FAULTS_ENTRY, assert_bitwise_equal, local_tier_args, run_pretrain
+
+#: Short Wrapper intervals (upstream's defaults wait up to 30 s for heartbeats).
+FAST = [
+    "--inprocess-restart",
+    "--inprocess-granularity",
+    "rank",
+    "--inprocess-monitor-thread-interval",
+    "0.5",
+    "--inprocess-monitor-process-interval",
+    "0.5",
+    "--inprocess-progress-watchdog-interval",
+    "0.5",
+    "--inprocess-last-call-wait",
+    "0.5",
+    "--inprocess-heartbeat-interval",
+    "1",
+    "--inprocess-heartbeat-timeout",
+    "10",
+    "--inprocess-soft-timeout",
+    "60",
+    "--inprocess-hard-timeout",
+    "90",
+    "--inprocess-barrier-timeout",
+    "120",
+    "--inprocess-completion-timeout",
+    "120",
+]
+ENV = {"TORCH_CPP_LOG_LEVEL": "error"}
+
+
+def _lines(out: str, rank: int) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith(f"[inprocess-restart] rank {rank}:")]
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    work: Path = tmp_path_factory.mktemp("inprocess")
+    faults = (
+        f"rank=1,iteration=6,raise=1,once={work / 'f1'};"
+        f"rank=1,iteration=8,raise=1,wipe_local=1,once={work / 'f2'}"
+    )
+    env = {**ENV, "MEGATRON_TEST_FAULT": faults, "MEGATRON_TEST_NAN_AFTER_LOCAL_LOAD": "10"}
+    args = ["--train-iters", "16", "--exit-interval", "14", "--save", "ckpt", "--load", "ckpt"]
+    args += ["--save-interval", "5", *local_tier_args(2, "local"), *FAST]
+    args += ["--inprocess-max-iterations", "5"]
+    return run_pretrain(work, *args, env=env, entry=FAULTS_ENTRY, check=False, timeout=600)
+
+
+def test_exception_restarts_in_the_same_pids_from_local_6(faulted, straight_16_exit_14):
+    assert faulted.returncode == 0, faulted.output[-6000:]
+    for rank in (0, 1):
+        lines = _lines(faulted.output, rank)
+        assert len(lines) == 4, lines
+        assert len({ln.split("(pid ")[1].split(")")[0] for ln in lines}) == 1  # same PID
+        assert "loaded local checkpoint at iteration 6" in lines[1]
+        assert "injected fault: rank 1 before iteration 7" in lines[1]
+        assert "fault -> first iteration" in lines[1]
+    assert "[resume-proof] iteration 6:" in faulted.output
+
+
+def test_lost_local_directory_is_repaired_within_the_attempt(faulted):
+    assert "rank 1: deleted its local checkpoint directory" in faulted.output
+    assert "loaded local checkpoint at iteration 8" in _lines(faulted.output, 1)[2]
+    assert "repaired" in faulted.output
+
+
+def test_nan_after_local_resume_loads_persistent_next_attempt(faulted, straight_16_exit_14):
+    last = _lines(faulted.output, 0)[3]
+    assert "NaN window" in last and "persistent checkpoint at iteration 5" in last
+    assert_bitwise_equal(straight_16_exit_14, faulted.losses, range(6, 15))
+
+
+def test_attempts_exhausted_every_rank_exits_with_the_reason(tmp_path):
+    env = {**ENV, "MEGATRON_TEST_FAULT": "rank=1,iteration=1,raise=1"}
+    run = run_pretrain(
+        tmp_path,
+        "--train-iters",
+        "4",
+        *FAST,
+        "--inprocess-max-iterations",
+        "2",
+        env=env,
+        entry=FAULTS_ENTRY,
+        check=False,
+        timeout=300,
+    )
+    assert run.returncode != 0
+    for rank in (0, 1):
+        gave_up = [ln for ln in _lines(run.output, rank) if "giving up after 2 attempt(s)" in ln]
+        assert len(gave_up) == 1 and "--inprocess-max-iterations" in gave_up[0], run.output[-4000:]
