@@ -159,6 +159,8 @@ def test_cli_lists_fixes(fixes_cli):
         "async_worker_death",
         "nonpersistent_retention",
         "atomic_tracker",
+        "planned_exit_save",
+        "data_loader_rng",
     )
     for name in names:
         assert f"{name}:" in out.stdout
