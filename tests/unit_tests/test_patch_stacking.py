@@ -61,10 +61,20 @@ DECLARED_STACKS = {
     "megatron.training.checkpointing.get_rng_state": ["rng_state_ep", "fsdp_rng"],
     # the teardown fix drops the closed queue; the final-save fix defers train()'s terminate
     # outside it (its deferred terminate goes through async_utils, wrapped by the first)
+    # the local tier's asynchronous local saves are finalised in this process (outermost); the
+    # persistent worker's requests go on to upstream's function through the two fixes
     "megatron.training.training.maybe_finalize_async_save": [
         "async_queue_teardown",
         "async_final_save",
+        "local_tier",
     ],
+    "megatron.training.async_utils.maybe_finalize_async_save": [
+        "async_queue_teardown",
+        "local_tier",
+    ],
+    # the resume proof compares the state as the first step begins, before the local tier's
+    # step wrapper (rerun exit codes, the iteration it trains) runs
+    "megatron.training.training.train_step": ["local_tier", "resume_proof"],
 }
 
 
