@@ -495,8 +495,10 @@ def test_parse_fault_spec():
         "wipe_local": True,
         "corrupt": "/x/y.pt",
         "once": "/t/done",
+        "raise": False,
     }
     assert fault_injection.parse_fault("rank=0,iteration=3")["wipe_local"] is False
+    assert fault_injection.parse_fault("rank=0,iteration=3,raise=1")["raise"] is True
     for bad, why in (
         ("rank=1", "required"),
         ("rank=1,iteration=x", "invalid literal"),
