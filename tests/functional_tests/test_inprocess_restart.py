@@ -7,9 +7,11 @@ raises again before 9 after deleting its local directory (attempt 2 resumes from
 shard repaired from the replica), the loss turns NaN at 10 after that local resume (the NaN window
 marks the tier bad; attempt 3 loads persistent 5: no loop); the losses of 6-14 are bitwise those
 of an uninterrupted run. A second launch raises on every attempt: every rank gives up with one
-line and a non-zero exit.
+line and a non-zero exit. A third, one ``ft_launcher`` job: an exception is handled in process, then
+an ``os._exit`` falls through to the launcher's in-job restart (bitwise against the same reference).
 
-Budget: about 90 s for the fault launch with its shared reference run, plus the exhausted one.
+Budget: about 90 s for the fault launch with its shared reference run, ~20 s for the exhausted
+one, ~60 s for the ``ft_launcher`` job (2-core machine).
 """
 
 from __future__ import annotations
@@ -94,12 +96,15 @@ def test_nan_after_local_resume_loads_persistent_next_attempt(faulted, straight_
 
 
 def test_attempts_exhausted_every_rank_exits_with_the_reason(tmp_path):
-    env = {**ENV, "MEGATRON_TEST_FAULT": "rank=1,iteration=1,raise=1"}
+    # the cheapest launch that exhausts: rank 1 raises before its first iteration in each of the
+    # 2 attempts; shorter Wrapper intervals than FAST (each restart waits on them)
+    env = {**ENV, "MEGATRON_TEST_FAULT": "rank=1,iteration=0,raise=1"}
+    quick = [v if v != "0.5" else "0.2" for v in FAST]
     run = run_pretrain(
         tmp_path,
         "--train-iters",
-        "4",
-        *FAST,
+        "2",
+        *quick,
         "--inprocess-max-iterations",
         "2",
         env=env,
@@ -108,6 +113,8 @@ def test_attempts_exhausted_every_rank_exits_with_the_reason(tmp_path):
         timeout=300,
     )
     assert run.returncode != 0
+    raised = "[fault-injection] rank 1: raising RuntimeError before iteration 1 "
+    assert run.output.count(raised) == 2, run.output[-4000:]  # once per attempt
     for rank in (0, 1):
         gave_up = [ln for ln in _lines(run.output, rank) if "giving up after 2 attempt(s)" in ln]
         assert len(gave_up) == 1 and "--inprocess-max-iterations" in gave_up[0], run.output[-4000:]
