@@ -272,14 +272,36 @@ def _drop_leftover_groups() -> None:
             setattr(parallel_state, name, None)
 
 
+def _close_rank_monitor_client() -> None:
+    """Close the failed attempt's connection to ``ft_launcher``'s rank monitor
+    (``--enable-ft-package``) and drop upstream's client: ``ft_integration.setup`` asserts that
+    none is set, so every later attempt failed at once with ``rank monitor client is already
+    initialized`` (megatron-core 0.19.2) and used up the attempts. Upstream's
+    ``ft_integration.shutdown`` is not called: it may update the timeouts (a collective of the
+    failed attempt); closing the socket is local, and the next attempt connects anew."""
+    from megatron.training import ft_integration
+
+    cli = getattr(ft_integration, "_GLOBAL_RANK_MONITOR_CLIENT", None)
+    if cli is None:
+        return
+    try:
+        cli.shutdown_workload_monitoring()
+    except OSError:  # the monitor is gone (the launcher is stopping): nothing left to close
+        pass
+    ft_integration._GLOBAL_RANK_MONITOR_CLIENT = None
+    if hasattr(ft_integration, "_is_setup_section_open"):
+        ft_integration._is_setup_section_open = False
+
+
 def reset_between_attempts() -> None:
     """What a fresh process would not have: upstream's global state (``destroy_global_state``:
     arguments, tokenizer, writers, timers, microbatches calculator, memory buffer, model-parallel
     groups, rerun state machine), the TensorBoard writer (closed first: upstream drops it
-    unflushed), the loaded-iteration and checkpoint-version globals of
-    ``megatron.training.checkpointing`` (upstream keeps them), and the data checks' cache; the
-    installed components get a fresh state (the next attempt installs them again), and garbage
-    is collected so the failed attempt's process groups are freed."""
+    unflushed), ``ft_launcher``'s rank monitor client, the loaded-iteration and
+    checkpoint-version globals of ``megatron.training.checkpointing`` (upstream keeps them), and
+    the data checks' cache; the installed components get a fresh state (the next attempt
+    installs them again), and garbage is collected so the failed attempt's process groups are
+    freed."""
     from megatron.core import rerun_state_machine
     from megatron.training import checkpointing, global_vars, training
 
@@ -299,6 +321,7 @@ def reset_between_attempts() -> None:
             pass
     training.destroy_global_state()
     _drop_leftover_groups()
+    _close_rank_monitor_client()
     rerun_state_machine.destroy_rerun_state_machine()
     checkpointing.set_loaded_iteration(None)
     checkpointing._CHECKPOINT_VERSION = None

@@ -7,17 +7,21 @@ raises again before 9 after deleting its local directory (attempt 2 resumes from
 shard repaired from the replica), the loss turns NaN at 10 after that local resume (the NaN window
 marks the tier bad; attempt 3 loads persistent 5: no loop); the losses of 6-14 are bitwise those
 of an uninterrupted run. A second launch raises on every attempt: every rank gives up with one
-line and a non-zero exit.
+line and a non-zero exit. A third, one ``ft_launcher`` job: an exception is handled in process, then
+an ``os._exit`` falls through to the launcher's in-job restart (bitwise against the same reference).
 
-Budget: about 90 s for the fault launch with its shared reference run, plus the exhausted one.
+Budget: about 90 s for the fault launch with its shared reference run, ~20 s for the exhausted
+one, ~60 s for the ``ft_launcher`` job (2-core machine).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from megatron.training_ext import loss_log
 from tests.helpers.launch import FAULTS_ENTRY, assert_bitwise_equal, local_tier_args, run_pretrain
 
 #: Short Wrapper intervals (upstream's defaults wait up to 30 s for heartbeats).
@@ -92,12 +96,15 @@ def test_nan_after_local_resume_loads_persistent_next_attempt(faulted, straight_
 
 
 def test_attempts_exhausted_every_rank_exits_with_the_reason(tmp_path):
-    env = {**ENV, "MEGATRON_TEST_FAULT": "rank=1,iteration=1,raise=1"}
+    # the cheapest launch that exhausts: rank 1 raises before its first iteration in each of the
+    # 2 attempts; shorter Wrapper intervals than FAST (each restart waits on them)
+    env = {**ENV, "MEGATRON_TEST_FAULT": "rank=1,iteration=0,raise=1"}
+    quick = [v if v != "0.5" else "0.2" for v in FAST]
     run = run_pretrain(
         tmp_path,
         "--train-iters",
-        "4",
-        *FAST,
+        "2",
+        *quick,
         "--inprocess-max-iterations",
         "2",
         env=env,
@@ -106,6 +113,43 @@ def test_attempts_exhausted_every_rank_exits_with_the_reason(tmp_path):
         timeout=300,
     )
     assert run.returncode != 0
+    raised = "[fault-injection] rank 1: raising RuntimeError before iteration 1 "
+    assert run.output.count(raised) == 2, run.output[-4000:]  # once per attempt
     for rank in (0, 1):
         gave_up = [ln for ln in _lines(run.output, rank) if "giving up after 2 attempt(s)" in ln]
         assert len(gave_up) == 1 and "--inprocess-max-iterations" in gave_up[0], run.output[-4000:]
+
+
+def test_inside_ft_launcher_exception_in_process_then_exit_in_job(tmp_path, straight_16_exit_14):
+    """One ``ft_launcher`` job (the example launcher) with ``--inprocess-restart``: rank 1 raises
+    before iteration 7 (handled in process: same PIDs, no launcher restart), then rank 0 leaves
+    with ``os._exit(1)`` before iteration 9 (the launcher's in-job restart resumes from local 8)."""
+    from tests.functional_tests.test_ft_restart import FT_LAUNCHER, run_ft
+
+    if not FT_LAUNCHER.exists():
+        pytest.skip(f"ft_launcher not installed next to {FT_LAUNCHER.parent}")
+    faults = (
+        f"rank=1,iteration=6,raise=1,once={tmp_path / 'f1'};"
+        f"rank=0,iteration=8,once={tmp_path / 'f2'}"
+    )
+    args = ["--train-iters", "16", "--exit-interval", "14", "--save", "ckpt", "--load", "ckpt"]
+    args += ["--save-interval", "5", *local_tier_args(2, "local"), *FAST]
+    args += ["--inprocess-max-iterations", "3"]
+    env = {**ENV, "MEGATRON_TEST_FAULT": faults}
+    rc, out, log = run_ft(tmp_path, *args, env=env, entry=FAULTS_ENTRY, timeout=600)
+    assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
+    assert "[fault-injection] rank 0: crashing (os._exit(1)) before iteration 9" in out
+    assert out.count("will restart worker group") == 1, out[-6000:]
+    for rank in (0, 1):
+        lines = _lines(out, rank)
+        # the first job: attempts 0 and 1 (same PID); the in-job restart: a new PID, attempt 0
+        assert len(lines) == 3, lines
+        pids = [ln.split("(pid ")[1].split(")")[0] for ln in lines]
+        assert pids[0] == pids[1] != pids[2], lines
+        assert "injected fault: rank 1 before iteration 7" in lines[1]
+        assert "loaded local checkpoint at iteration 6" in lines[1]
+        assert "loaded local checkpoint at iteration 8" in lines[2]
+    assert "local checkpoint at iteration 8 verified on all ranks" in out
+    seq = [json.loads(ln)["iteration"] for ln in log.read_text().splitlines() if ln.strip()]
+    assert seq == list(range(1, 15))  # 1-6, in process 7-8, in job 9-14: nothing twice
+    assert_bitwise_equal(straight_16_exit_14, loss_log.read(str(log)), range(1, 15))

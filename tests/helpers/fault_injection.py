@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -204,6 +205,12 @@ def flip_byte_in_largest_storage(path: str) -> int:
     return pos
 
 
+def _at() -> str:
+    """``(at T)``: the wall-clock time of a fault, seconds since the epoch (``time.time()``; read
+    by ``tools/bench_restart.py``)."""
+    return f"(at {time.time():.3f})"
+
+
 def _say(message: str) -> None:
     write_line(f"[fault-injection] {message}")
 
@@ -280,9 +287,9 @@ def _fire(fault: dict, rank: int, iteration: int, local_root: Optional[str]) -> 
         pos = flip_byte_in_largest_storage(fault["corrupt"])
         _say(f"rank {rank}: flipped a byte at offset {pos} of {fault['corrupt']}")
     if fault["raise"]:
-        _say(f"rank {rank}: raising RuntimeError before iteration {iteration + 1}")
+        _say(f"rank {rank}: raising RuntimeError before iteration {iteration + 1} {_at()}")
         raise RuntimeError(f"injected fault: rank {rank} before iteration {iteration + 1}")
-    _say(f"rank {rank}: crashing (os._exit(1)) before iteration {iteration + 1}")
+    _say(f"rank {rank}: crashing (os._exit(1)) before iteration {iteration + 1} {_at()}")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)

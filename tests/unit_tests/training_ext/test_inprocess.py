@@ -133,3 +133,24 @@ def test_leftover_process_groups_are_dropped(monkeypatch):
     monkeypatch.setattr(parallel_state, "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", FakeGroup())
     inprocess_mod._drop_leftover_groups()
     assert parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP is None
+
+
+def test_rank_monitor_client_is_closed_and_dropped_between_attempts(monkeypatch):
+    """Under ``ft_launcher`` (``--enable-ft-package``) upstream's ``ft_integration.setup`` asserts
+    that no client is set: the reset closes the failed attempt's connection and drops it."""
+    from megatron.training import ft_integration
+
+    closed = []
+
+    class Client:
+        def shutdown_workload_monitoring(self):
+            closed.append(True)
+
+    monkeypatch.setattr(ft_integration, "_GLOBAL_RANK_MONITOR_CLIENT", Client())
+    monkeypatch.setattr(ft_integration, "_is_setup_section_open", True, raising=False)
+    inprocess_mod._close_rank_monitor_client()
+    assert closed == [True]
+    assert ft_integration.get_rank_monitor_client() is None
+    assert ft_integration._is_setup_section_open is False
+    inprocess_mod._close_rank_monitor_client()  # none set: nothing to do
+    assert closed == [True]
