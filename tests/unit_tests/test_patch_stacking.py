@@ -75,6 +75,9 @@ DECLARED_STACKS = {
     # the resume proof compares the state as the first step begins, before the local tier's
     # step wrapper (rerun exit codes, the iteration it trains) runs
     "megatron.training.training.train_step": ["local_tier", "resume_proof"],
+    # the final-save fix keeps train()'s worker up inside; a load no step followed is proven
+    # when the wrapped train() returns
+    "megatron.training.training.train": ["async_final_save", "resume_proof"],
 }
 
 

@@ -89,8 +89,9 @@ class ResumeProofState:
             computed yet (the local tier's background thread finishes it from the snapshot).
         loaded: ``(record or None, checkpoint name, checkpoint type)`` of what the last
             ``_load_base_checkpoint`` read, until ``load_checkpoint`` returns.
-        deferred: ``(bound arguments, result, loaded)`` of the last ``load_checkpoint`` whose
-            state is still to be proven: at the first ``train_step`` after it, or a save before.
+        unproven: ``(bound arguments, result, loaded)`` of the last ``load_checkpoint`` whose
+            state is still to be proven: at the first ``train_step`` after it, a save before,
+            or the end of ``train()`` when it ran no step.
         exchange: combines the ranks' shares of every digest of this install (keeps the layout
             of its cheap exchange between digests).
     """
@@ -100,7 +101,7 @@ class ResumeProofState:
     written: bool = False
     deferred: Any = None
     loaded: Optional[Tuple[Optional[dict], Any, Any]] = None
-    deferred: Optional[Tuple[Any, Any, Any]] = None
+    unproven: Optional[Tuple[Any, Any, Any]] = None
     exchange: DigestExchange = field(default_factory=DigestExchange)
 
 

@@ -351,7 +351,7 @@ def _wrap_load_checkpoint(orig):
         if st is None:
             return orig(*a, **kw)
         st.loaded = None
-        st.deferred = None
+        st.unproven = None
         result = orig(*a, **kw)
         ba = sig.bind(*a, **kw)
         ba.apply_defaults()
@@ -359,7 +359,7 @@ def _wrap_load_checkpoint(orig):
             return result
         # proven when the first training step begins (or at a save before any step): whatever
         # runs between the load and that step (building the data iterators, ...) is covered
-        st.deferred = (ba, result, st.loaded)
+        st.unproven = (ba, result, st.loaded)
         st.loaded = None
         return result
 
@@ -368,12 +368,13 @@ def _wrap_load_checkpoint(orig):
 
 def prove_pending() -> None:
     """Prove the state of the last load, if not yet proven (:func:`_prove`; collective: every
-    rank calls it at the same point, the first ``train_step`` or a save before it)."""
+    rank calls it at the same point: the first ``train_step``, a save before it, or the end of
+    ``train()`` when it ran no step, e.g. a resume at ``--train-iters``)."""
     st = proof_state()
-    if st is None or st.deferred is None:
+    if st is None or st.unproven is None:
         return
-    ba, result, st.loaded = st.deferred
-    st.deferred = None
+    ba, result, st.loaded = st.unproven
+    st.unproven = None
     _prove(st, ba, result)
 
 
@@ -386,6 +387,18 @@ def _wrap_train_step(orig):
         return orig(*a, **kw)
 
     return train_step
+
+
+def _wrap_train(orig):
+    @wraps_upstream(orig)
+    def train(*a, **kw):
+        """Upstream's; a load that no step or save followed (a resume at ``--train-iters``) is
+        proven when it returns (megatron.training_ext.resume_proof)."""
+        result = orig(*a, **kw)
+        prove_pending()
+        return result
+
+    return train
 
 
 _CKPT = "megatron.training.checkpointing"
@@ -436,5 +449,11 @@ PATCHES = (
         _wrap_train_step,
         "the proof compares the state as the first training step after a load begins, so that "
         "what runs between the load and that step (e.g. building the data iterators) is covered",
+    ),
+    Patch(
+        "megatron.training.training.train",
+        _wrap_train,
+        "a load that no training step or save follows (a resume at --train-iters) is proven "
+        "when train() returns, so that no load of this fork's saves goes unproven",
     ),
 )
