@@ -7,7 +7,7 @@ Armed by ``MEGATRON_TEST_FS_TRACE`` (JSON, set by the harness; nothing is instal
      "exclude": ["JOB_HOLD"], "points": [[KEY, ACTION], ...]}
 
 ``roots`` are directories relative to the launch's working directory; only operations on paths
-under them count (a 32-digit hex run in a name, a ``uuid4`` part, reads ``<uuid>``). ``window``:
+under them count (a 32-digit hex run in a name, a ``uuid4`` part, reads ``<uuid>``; a ``.tmp-<pid>`` suffix reads ``.tmp-<pid>``). ``window``:
 ``save:K`` counts from the moment ``save_checkpoint`` of iteration
 ``K`` is entered in this rank to the end of the process (the harness makes ``K`` the run's last
 save, so asynchronous finalisation and retention belong to it); ``load`` counts from the start to
@@ -52,6 +52,8 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 #: Random parts of file names (``uuid4().hex``), the same in every launch's keys.
 _RANDOM = re.compile(r"[0-9a-f]{32}")
+#: A writer's process id in a temporary name (``<tracker>.tmp-<pid>``, fix ``atomic_tracker``).
+_PID = re.compile(r"\.tmp-[0-9]+")
 _orig: dict = {}
 _state: dict = {}
 _local = threading.local()
@@ -90,7 +92,7 @@ def _rel(path) -> str | None:
         return None
     if any(x in rel for x in _state["exclude"]):
         return None
-    return _RANDOM.sub("<uuid>", rel)
+    return _PID.sub(".tmp-<pid>", _RANDOM.sub("<uuid>", rel))
 
 
 def _is_main() -> bool:
