@@ -7,7 +7,8 @@ Armed by ``MEGATRON_TEST_FS_TRACE`` (JSON, set by the harness; nothing is instal
      "exclude": ["JOB_HOLD"], "points": [[KEY, ACTION], ...]}
 
 ``roots`` are directories relative to the launch's working directory; only operations on paths
-under them count (a 32-digit hex run in a name, a ``uuid4`` part, reads ``<uuid>``; a ``.tmp-<pid>`` suffix reads ``.tmp-<pid>``). ``window``:
+under them count (a 32-digit hex run in a name, a ``uuid4`` part, reads ``<uuid>``; the digits
+of a ``.tmp-<pid>`` suffix read ``<pid>``). ``window``:
 ``save:K`` counts from the moment ``save_checkpoint`` of iteration
 ``K`` is entered in this rank to the end of the process (the harness makes ``K`` the run's last
 save, so asynchronous finalisation and retention belong to it); ``load`` counts from the start to
