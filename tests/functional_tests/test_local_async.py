@@ -22,6 +22,7 @@ from tests.helpers.launch import (
     assert_bitwise_equal,
     local_files,
     local_tier_args,
+    persistent_args,
     run_pretrain,
     run_pretrain_reaped,
     start_lines,
@@ -33,14 +34,7 @@ pytestmark = pytest.mark.slow
 def _flags(work: Path, replication: bool = True) -> list[str]:
     return [
         "--async-save",
-        "--save",
-        str(work / "ckpt"),
-        "--load",
-        str(work / "ckpt"),
-        "--save-interval",
-        "5",
-        "--ckpt-format",
-        "torch_dist",
+        *persistent_args(work),
         *local_tier_args(1, work / "local", replication=replication),
     ]
 

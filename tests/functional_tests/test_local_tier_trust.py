@@ -23,6 +23,7 @@ from tests.helpers.launch import (
     FAULTS_ENTRY,
     assert_bitwise_equal,
     local_tier_args,
+    persistent_args,
     run_pretrain,
     start_lines,
 )
@@ -33,17 +34,7 @@ SCHEDULE = ["--train-iters", "16"]
 
 
 def tiers(work: Path) -> list[str]:
-    return [
-        "--save",
-        str(work / "ckpt"),
-        "--load",
-        str(work / "ckpt"),
-        "--save-interval",
-        "5",
-        "--ckpt-format",
-        "torch_dist",
-        *local_tier_args(2, work / "local"),
-    ]
+    return [*persistent_args(work), *local_tier_args(2, work / "local")]
 
 
 def primary(work: Path, rank: int, iteration: int = 12) -> Path:

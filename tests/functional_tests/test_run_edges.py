@@ -25,6 +25,7 @@ from tests.helpers.launch import (
     assert_bitwise_equal,
     default_launcher,
     local_tier_args,
+    persistent_args,
     run_pretrain,
 )
 
@@ -40,9 +41,7 @@ FORK_LINE = re.compile(
 
 
 def tiers(work: Path) -> list[str]:
-    ckpt = str(work / "ckpt")
-    return ["--save", ckpt, "--load", ckpt, "--save-interval", "10", "--ckpt-format",
-            "torch_dist", *local_tier_args(4, work / "local")]  # fmt: skip
+    return [*persistent_args(work, 10), *local_tier_args(4, work / "local")]
 
 
 def fork_lines(output: str) -> list[str]:

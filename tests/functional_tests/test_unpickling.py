@@ -28,6 +28,7 @@ from tests.helpers import pickle_bomb as pb
 from tests.helpers.launch import (
     assert_bitwise_equal,
     local_tier_args,
+    persistent_args,
     run_pretrain,
     start_lines,
 )
@@ -39,9 +40,7 @@ FIRE = "tests.helpers.pickle_bomb.fire"
 
 
 def tiers(work: Path, local: bool = True) -> list[str]:
-    out = ["--save", str(work / "ckpt"), "--load", str(work / "ckpt"), "--save-interval", "5"]
-    out += ["--ckpt-format", "torch_dist"]
-    return out + (local_tier_args(2, work / "local") if local else [])
+    return persistent_args(work) + (local_tier_args(2, work / "local") if local else [])
 
 
 @pytest.fixture(scope="module")

@@ -161,6 +161,14 @@ def local_tier_args(
     return out
 
 
+def persistent_args(work: Path, interval: int = 5) -> list[str]:
+    """The persistent-tier flags of a test that saves and resumes in one directory: ``torch_dist``
+    checkpoints every ``interval`` iterations in ``work/ckpt``, loaded from there."""
+    ckpt = str(work / "ckpt")
+    return ["--save", ckpt, "--load", ckpt, "--save-interval", str(interval),
+            "--ckpt-format", "torch_dist"]  # fmt: skip
+
+
 def both_tiers_at(work: Path, iteration: int) -> list[str]:
     """Arguments for a run of ``iteration`` iterations that ends with a local checkpoint
     (``work/local``, replicated: jump 1, factor 2) and a persistent ``torch_dist`` one
