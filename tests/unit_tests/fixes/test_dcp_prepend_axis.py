@@ -36,14 +36,6 @@ PIECES = {
 }
 
 
-@pytest.fixture
-def fixed():
-    megatron.fixes.reset()
-    assert FIX.apply().value == "active"
-    yield
-    FIX.reset()
-
-
 def _wrapped():
     from megatron.core.dist_checkpointing.strategies.checkpointable import (
         CheckpointableShardedTensor,

@@ -25,14 +25,6 @@ _ON_MAIN_UPSTREAM_BEHAVES = pytest.mark.fixed_upstream(
 )
 
 
-@pytest.fixture
-def fixed():
-    megatron.fixes.reset()
-    assert FIX.apply().value == "active"
-    yield
-    FIX.reset()
-
-
 def _save(case, fn=None):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
 

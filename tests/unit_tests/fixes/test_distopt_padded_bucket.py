@@ -30,14 +30,6 @@ BUCKET_0 = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32
 PARAM_0 = f"{BUCKET_0}.bucket_idx_0.param"
 
 
-@pytest.fixture
-def fixed():
-    megatron.fixes.reset()
-    assert FIX.apply().value == "active"
-    yield
-    FIX.reset()
-
-
 def _save_state(fn=None, **stand_in):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
 
