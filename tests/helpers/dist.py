@@ -62,6 +62,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _set_env(env: dict) -> None:
     """The caller's environment, and torch's default number of threads unless it sets them."""
     import torch

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.helpers import fs_trace
-from tests.helpers.dist import run_python
+from tests.helpers.dist import process_alive, run_python
 
 #: File operations of a save in miniature, inside the root ``ck`` and outside it.
 SCRIPT = r"""
@@ -58,15 +58,6 @@ EXPECTED = [
 ]
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, killed and not reaped yet, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _run(tmp_path, monkeypatch, points=None):
     trace = tmp_path / "trace"
     cfg = {"dir": str(trace), "roots": ["ck"], "window": "load"}
@@ -106,9 +97,9 @@ def test_a_point_kills_right_before_or_after_its_operation(
     )
     helper = int((work / "helper.pid").read_text())
     deadline = time.monotonic() + 10
-    while _alive(helper) and time.monotonic() < deadline:
+    while process_alive(helper) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(helper), "the kill did not reach the process's helper (its session)"
+    assert not process_alive(helper), "the kill did not reach the process's helper (its session)"
     d = work / "ck" / "iter_1"
     assert [n for n in present if not (d / n).exists()] == []
     assert [n for n in absent if (d / n).exists()] == []

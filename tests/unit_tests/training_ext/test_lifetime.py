@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.dist import process_alive
+
 REPO = Path(__file__).resolve().parents[3]
 
 RANK = textwrap.dedent(
@@ -40,14 +42,6 @@ RANK = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
 @pytest.mark.parametrize(
     "how, hook",
@@ -62,14 +56,14 @@ def test_helper_dies_with_its_killed_rank(how, hook):
     )
     helper = int(rank.stdout.readline())
     time.sleep(0.5 if how == "fork" else 1.5)  # the spawned helper imports, then asks
-    assert _alive(helper)
+    assert process_alive(helper)
     os.kill(rank.pid, signal.SIGKILL)
     rank.wait()
     deadline = time.monotonic() + 3
-    while _alive(helper) and time.monotonic() < deadline:
+    while process_alive(helper) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        assert _alive(helper) is (not hook)  # guard: without the hook it outlives the rank
+        assert process_alive(helper) is (not hook)  # guard: without the hook it outlives the rank
     finally:
-        if _alive(helper):
+        if process_alive(helper):
             os.kill(helper, signal.SIGKILL)
