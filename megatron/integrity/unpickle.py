@@ -317,12 +317,20 @@ def load_without_tensors(path: Union[str, os.PathLike]) -> Any:
         OSError, zipfile.BadZipFile, pickle.UnpicklingError, ...: missing, truncated or not a zip.
     """
     with zipfile.ZipFile(path) as z:
-        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not names:
-            raise ValueError(f"{path}: no data.pkl in the archive (not a torch.save file)")
-        with z.open(names[0]) as f:
-            data = f.read()
+        data = _data_pkl(z, f"{path}: no data.pkl in the archive (not a torch.save file)")
     return loads_without_tensors(data, what=str(path))
+
+
+def _data_pkl(z: zipfile.ZipFile, missing: str) -> bytes:
+    """The ``data.pkl`` member of a ``torch.save`` archive (``missing``: the error's message).
+
+    Raises:
+        ValueError: the archive has no ``data.pkl``.
+    """
+    names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+    if not names:
+        raise ValueError(missing)
+    return z.read(names[0])
 
 
 def loads_without_tensors(data: bytes, *, what: str) -> Any:
@@ -349,10 +357,7 @@ def torch_bytes_without_tensors(blob: bytes, *, what: str) -> Any:
     restricted as :func:`load_without_tensors` (for checks that must not load it)."""
     if blob[:2] == b"PK":
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if not names:
-                raise ValueError(f"{what}: no data.pkl (not a torch.save blob)")
-            blob = z.read(names[0])
+            blob = _data_pkl(z, f"{what}: no data.pkl (not a torch.save blob)")
     return loads_without_tensors(blob, what=what)
 
 
