@@ -278,14 +278,22 @@ def _unfinished(calls_queue: Any, extra: Optional[int] = None) -> list:
     return sorted({known[i] for i in idxs if known.get(i) is not None})
 
 
-def stop_every_rank(calls_queue: Any, died: AsyncWorkerDied, extra: Optional[int] = None):
+def stop_every_rank(
+    calls_queue: Any, died: AsyncWorkerDied, extra: Optional[int] = None, agreed: bool = True
+):
     """Print :func:`stop_line` (stderr, at once: every rank calls this together, having agreed on
-    ``died`` in a collective, and a launcher stops the other ranks as soon as one exits), abort
-    ``calls_queue`` (this rank's worker terminated, its unfinished saves dropped, the queue no
-    longer megatron's), then ``SystemExit(EXIT_STATUS)``."""
+    ``died`` in a collective, and a launcher stops the other ranks as soon as one exits), wait
+    until every rank has printed (one all-reduce; only when ``agreed``, i.e. every rank is here),
+    abort ``calls_queue`` (this rank's worker terminated, its unfinished saves dropped, the queue
+    no longer megatron's), then ``SystemExit(EXIT_STATUS)``."""
     import sys
 
     print(stop_line(died, _unfinished(calls_queue, extra)), file=sys.stderr, flush=True)
+    try:  # no rank leaves before every rank has printed (a launcher stops the rest at the first)
+        if agreed:
+            _sync([0])
+    except Exception as e:  # noqa: BLE001 - the rank stops anyway
+        logger.warning("the barrier before stopping failed: %s", e)
     calls_queue.async_calls.clear()
     caller = getattr(calls_queue, "persistent_caller", None)
     if caller is not None:  # a healthy worker gets SIGTERM, then SIGKILL after this long
@@ -358,7 +366,7 @@ def wrap_maybe_finalize_async_calls(upstream: Callable) -> Callable:
         try:
             done = upstream(self, blocking, no_dist)
         except AsyncWorkerDied as died:
-            stop_every_rank(self, died)
+            stop_every_rank(self, died, agreed=not no_dist)
         known = _iterations_of(self)
         for idx in done or ():
             known.pop(idx, None)

@@ -64,10 +64,9 @@ def test_dead_worker_stops_every_rank_and_the_next_start_resumes_the_last_comple
     assert run.returncode != 0, run.output[-3000:]
     lines = [ln for ln in run.output.splitlines() if ln.startswith(STOP)]
     assert len(lines) == 2, run.output[-4000:]  # one line per rank
-    assert all(
-        "died (killed by SIGKILL) with the async save of iteration 4 unfinished" in ln
-        for ln in lines
-    ), lines
+    # 4, or 4 and 6 when the loop scheduled 6 before the worker reached its write of 4 (load)
+    said = re.compile(r"died \(killed by SIGKILL\) with the async save of iterations? 4(, 6)? unf")
+    assert all(said.search(ln) for ln in lines), "\n".join(lines)
     assert "Traceback" not in run.output.split(lines[0])[0].split("SIGKILL while writing")[1]
     bound = ended - _kill_time(run.output)
     print(f"[async-edges] dead worker: every rank gone {bound:.1f} s after the kill")
