@@ -1,33 +1,31 @@
-"""In-job restart with NVRx ``ft_launcher`` and the validated local checkpoint tier
-(``megatron/training_ext/local_tier/``), on the real entrypoint (2 ranks, ``--cpu``).
+"""Restarts with the validated local checkpoint tier (``megatron/training_ext/local_tier/``) on the
+real entrypoint (2 ranks, ``--cpu``), and the helpers that run the example launcher
+``examples/ft_launcher/pretrain_gpt_ft.sh`` (NVRx ``ft_launcher``) for the tests that use it.
 
 Every run uses ``--train-iters 16 --exit-interval 12``, persistent checkpoints every 5 iterations
 and local checkpoints every 2, replicated to the other rank. Faults are deterministic
 (:mod:`tests.helpers.fault_injection`; those runs launch the test entrypoint
-``tests/functional_tests/pretrain_gpt_faults.py``): rank 1 leaves with ``os._exit(1)`` just before
-iteration 7, after the local checkpoint at 6 was saved.
+``tests/functional_tests/pretrain_gpt_faults.py``): rank 1 deletes its local checkpoint directory
+and leaves with ``os._exit(1)`` just before iteration 7, after the local checkpoint at 6 was saved.
 
-Runs 1 and 2 go through the example launcher ``examples/ft_launcher/pretrain_gpt_ft.sh``.
-
-1. Node loss: rank 1 also deletes its local checkpoint directory. ``ft_launcher`` restarts both
-   workers in the job; they resume from local 6, rank 1's shard retrieved from its replica on
-   rank 0, and iterations 7-12 are bitwise equal to an uninterrupted run.
-2. Corrupted replica: as 1, and one byte of the replica rank 1 will retrieve is flipped. The
-   restart rejects the local tier on both ranks (one log line each: checksum mismatch), loads
-   persistent 5 and finishes, bitwise equal from iteration 6 on.
-3. NaN after a local resume (continuing run 2's directory: local 12, persistent 10): the loss turns
+1. Corrupted replica: one byte of the replica rank 1 will retrieve is flipped. The restart (the
+   same command started again, as a requeue does) rejects the local tier on both ranks (one log
+   line each: checksum mismatch), loads persistent 5 and finishes, bitwise equal from iteration 6
+   on.
+2. NaN after a local resume (continuing run 1's directory: local 12, persistent 10): the loss turns
    NaN at 14, two iterations after resuming from local 12; both ranks write the bad-tier marker and
    exit with code 75 without saving. The next start (the same command, injection still armed)
    sees the markers, loads persistent 10, finishes, and clears the markers at its first local save.
 
-Skipped only where ``ft_launcher`` cannot run (the reason is given).
+The example launcher's in-job restart that recovers a lost rank's shard from its replica is tested
+in one ``ft_launcher`` job with ``test_inprocess_restart.py`` (an in-process restart first, then the
+in-job one), and with a replacement node in ``test_local_tier_faults.py``.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +46,7 @@ from tests.helpers.launch import (
     local_tier_args,
     run_captured,
     run_pretrain,
+    run_pretrain_reaped,
 )
 
 pytestmark = pytest.mark.slow
@@ -64,23 +63,6 @@ TIERS = [
     "5",
     *local_tier_args(2, "local"),
 ]
-
-
-@pytest.fixture(scope="module")
-def ft_launcher():
-    """Path of ``ft_launcher``, or skip with the reason it cannot run here."""
-    if not FT_LAUNCHER.exists():
-        pytest.skip(f"ft_launcher not installed next to {sys.executable} (nvidia-resiliency-ext)")
-    proc = subprocess.run(
-        [str(FT_LAUNCHER), "--help"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"ft_launcher --help failed ({proc.returncode}): {proc.stdout[-1000:]}")
-    return FT_LAUNCHER
 
 
 def run_ft(
@@ -137,34 +119,31 @@ def _fault(workdir: Path, **extra) -> dict:
     return {"MEGATRON_TEST_FAULT": spec}
 
 
-def test_in_job_restart_recovers_lost_rank_from_replica_bitwise(ft_launcher, tmp_path, straight):
-    rc, out, log = run_ft(tmp_path, *SCHEDULE, *TIERS, env=_fault(tmp_path), entry=FAULTS_ENTRY)
-    assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
-    assert "[fault-injection] rank 1: deleted its local checkpoint directory" in out
-    assert "[fault-injection] rank 1: crashing (os._exit(1)) before iteration 7" in out
-    assert "will restart worker group" in out
-    assert "local checkpoint at iteration 6 verified on all ranks" in out
-    assert "successfully loaded checkpoint from ckpt" in out and "at iteration 6" in out
-    assert not rejection_lines(out)
-    # first run: 1-6, killed before 7; the restarted run resumed at 7 (nothing logged twice)
-    assert sequence(log) == list(range(1, 13))
-    assert_bitwise_equal(straight, loss_log.read(str(log)), range(1, 13))
-
-
 @pytest.fixture(scope="module")
-def corrupted_replica_run(ft_launcher, tmp_path_factory):
+def corrupted_replica_run(tmp_path_factory):
+    """Rank 1 crashes before 7 (its local directory deleted, the replica rank 0 holds for it
+    corrupted); the same command again (forked launches). Returns (work, exit code of the second
+    launch, the outputs of both, the loss log of both: first launch's lines, then the second's)."""
     work = tmp_path_factory.mktemp("corrupt")
     # the file rank 0 holds for rank 1 and will send to it after rank 1's directory is gone
     replica = work / "local" / "0" / "iter_0000006_1_local.pt"
-    rc, out, log = run_ft(
-        work, *SCHEDULE, *TIERS, env=_fault(work, corrupt=replica), entry=FAULTS_ENTRY
+    env = _fault(work, corrupt=replica)
+    args = (*SCHEDULE, *TIERS)
+    first = run_pretrain_reaped(
+        work, *args, env=env, entry=FAULTS_ENTRY, check=False, loss_file="first.jsonl", settle_s=5
     )
-    return work, rc, out, log
+    assert first.returncode != 0, first.output[-4000:]
+    again = run_pretrain(
+        work, *args, env=env, entry=FAULTS_ENTRY, check=False, loss_file="again.jsonl"
+    )
+    log = work / "losses.jsonl"
+    log.write_text((work / "first.jsonl").read_text() + (work / "again.jsonl").read_text())
+    return work, again.returncode, first.output + again.output, log
 
 
 def test_corrupted_replica_falls_back_to_persistent(corrupted_replica_run, straight):
     work, rc, out, log = corrupted_replica_run
-    assert rc == 0, f"ft_launcher failed ({rc}):\n{out[-8000:]}"
+    assert rc == 0, f"the restart failed ({rc}):\n{out[-8000:]}"
     assert "[fault-injection] rank 1: flipped a byte" in out
     lines = rejection_lines(out)
     assert sorted(ln.split(":")[0] for ln in lines) == [
