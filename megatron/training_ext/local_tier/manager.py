@@ -245,15 +245,19 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             tier.async_writer = async_save.AsyncLocalWriter(self.repl_strategy)
         writer = tier.async_writer
         digest = take_deferred_digest()
-        tensors = list(state_dict.tensors)
-        extra = digest.tensors() if digest is not None else []
+        regions, tier.shard_regions = tier.shard_regions or [], None
+        saved = list(state_dict._sharded_tensors)
+        tensors = [sh.data for sh in saved]
+        extra, bind = [], None
+        if digest is not None:  # summed by the ranks that save each shard: only those staged
+            extra, bind = async_save.assign_digest(digest, regions, saved)
         t1 = time.perf_counter()
         slot = writer.slot_for(iteration)
         t2 = time.perf_counter()
         staged = slot.stage(tensors + extra)
         t3 = time.perf_counter()
-        if digest is not None:
-            digest.bind(staged[len(tensors) :])
+        if bind is not None:
+            bind(staged[: len(tensors)], staged[len(tensors) :])
         state_dict.pop_tensors()
         job = async_save.AsyncJob(
             iteration,

@@ -140,7 +140,7 @@ def _wrap_save_checkpoint(orig):
         try:
             if _async_local_save(args, ba.arguments):  # digested from the snapshot, off the loop
                 st.pending = None
-                st.deferred = deferred_training_state(*parts)
+                st.deferred = deferred_training_state(*parts, all_replicas=True)
             if st.deferred is None:
                 st.pending = digest_training_state(*parts, exchange=st.exchange)
         except (
@@ -176,7 +176,9 @@ def _async_local_save(args: Any, arguments: Dict[str, Any]) -> bool:
 
 def take_deferred_digest():
     """The deferred digest (:class:`~.digest.DeferredDigest`) of the asynchronous local save in
-    progress, once (the local tier's save takes it), else ``None``."""
+    progress, once (the local tier's save takes it), else ``None``. It records every replica's
+    blocks (``all_replicas``): the taker keeps one sum per block over all ranks
+    (:func:`megatron.training_ext.local_tier.async_save.assign_digest`)."""
     st = proof_state()
     if st is None:
         return None
