@@ -33,15 +33,12 @@ __all__ = [
     "AsyncJob",
     "AsyncLocalWriter",
     "LocalAsyncRequest",
-    "ShardRegion",
     "StagingSlot",
     "assign_digest",
     "pending_requests",
     "route_schedule",
-    "shard_regions",
     "stop_writer",
     "wrap_maybe_finalize",
-    "wrap_remove_redundant_data",
 ]
 
 
@@ -128,61 +125,7 @@ class StagingSlot:
             self.event.synchronize()
 
 
-@dataclass
-class ShardRegion:
-    """The bytes of one shard (a contiguous ``ShardedTensor``) of a local save's state dict, as
-    the rank held it before upstream's fully parallel distribution dropped the shards other
-    ranks of the data-parallel group save.
-
-    Attributes:
-        sharded: the ``ShardedTensor`` (its ``data`` is ``None`` after the distribution when
-            another rank saves it).
-        storage: ``(device, storage data_ptr)`` of its data.
-        lo, hi: its data's byte addresses ``[lo, hi)``.
-        main: the main replica apart from the data-parallel index (``replica_id`` zero but for
-            its DP entry): of the DP group's copies, the one saved is digested.
-    """
-
-    sharded: Any
-    storage: tuple
-    lo: int
-    hi: int
-    main: bool
-
-
-def _storage_range(t: Any) -> Optional[tuple]:
-    """``((device, storage data_ptr), lo, hi)`` of a plain contiguous tensor, else ``None``."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous():
-        return None
-    try:
-        key = (t.device, t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return None
-    return key, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
-
-def shard_regions(sharded_part: Any) -> List[ShardRegion]:
-    """The :class:`ShardRegion` of every contiguous ``ShardedTensor`` with data in
-    ``sharded_part`` (upstream's preprocessed sharded state dict), in its order; only those with
-    megatron-core's ``(PP, TP, DP)`` replica id (any other is left to the main-replica rule)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    out = []
-    for sh in nested_values(sharded_part):
-        if not isinstance(sh, ShardedTensor):
-            continue
-        where = _storage_range(sh.data)
-        if where is None:
-            continue
-        ids = sh.replica_id
-        if not (isinstance(ids, tuple) and len(ids) == 3):
-            continue  # no DP entry to tell the DP group's copies apart: not a shard here
-        out.append(ShardRegion(sh, where[0], where[1], where[2], ids[0] == 0 and ids[1] == 0))
-    return out
-
-
-def assign_digest(digest: Any, regions: List[ShardRegion], saved: List[Any]) -> tuple:
+def assign_digest(digest: Any, saved: List[Any]) -> tuple:
     """Which rank sums each recorded block of a deferred state digest recorded for every replica
     (:func:`~megatron.training_ext.resume_proof.digest.deferred_training_state` with
     ``all_replicas``), so that a rank snapshots only what it saves: a block inside a shard of the
@@ -193,9 +136,10 @@ def assign_digest(digest: Any, regions: List[ShardRegion], saved: List[Any]) -> 
     distribution saves exactly one of them. Drops the other sums from ``digest``.
 
     Args:
-        digest: the :class:`~megatron.training_ext.resume_proof.digest.DeferredDigest`.
-        regions: :func:`shard_regions` of the save's state dict before the distribution (empty:
-            every block goes to its main replica).
+        digest: the :class:`~megatron.training_ext.resume_proof.digest.DeferredDigest`; its
+            ``shards`` (:func:`~megatron.training_ext.resume_proof.digest.shard_regions` of the
+            save's state dict, taken before upstream's distribution dropped the shards other
+            ranks save) say where the shards lie; none: every block goes to its main replica.
         saved: the ``ShardedTensor`` objects this rank saves, in the state dict's ``tensors``
             order.
 
@@ -204,16 +148,18 @@ def assign_digest(digest: Any, regions: List[ShardRegion], saved: List[Any]) -> 
         any saved shard), and ``bind(staged_saved, staged_extra)``, which points the kept sums at
         the snapshot.
     """
+    from megatron.training_ext.resume_proof.digest import storage_range
+
     index = {id(sh): i for i, sh in enumerate(saved)}
     by_storage: dict = {}
-    for r in regions:
+    for r in digest.shards or ():
         by_storage.setdefault(r.storage, []).append(r)
     keep: List[bool] = []
     covered: List[tuple] = []
     extra: List[Any] = []
     for _, s in digest.recorded:
         t = s.read()
-        where = _storage_range(t)
+        where = storage_range(t)
         shard = None
         if where is not None and where[2] > where[1]:
             shard = next(
@@ -242,29 +188,6 @@ def assign_digest(digest: Any, regions: List[ShardRegion], saved: List[Any]) -> 
             s.rebind(t)
 
     return [s.read() for s in extra], bind
-
-
-def wrap_remove_redundant_data(upstream: Any) -> Any:
-    """Patch factory for ``MCoreTensorAwareStateDict._remove_redundant_data`` (a staticmethod,
-    called through the class): before upstream drops the shards other ranks of the DP group save,
-    an asynchronous local save records every shard's bytes (:func:`shard_regions`, into
-    ``COMPONENT.state.shard_regions``) so that its digest is summed by the saving ranks
-    (:func:`assign_digest`)."""
-    from megatron.overlay import wraps_upstream
-    from megatron.training_ext.local_tier.component import COMPONENT
-
-    @wraps_upstream(upstream)
-    def _remove_redundant_data(
-        fully_parallel, sharded_part, shard_to_saving_rank, parallelization_group
-    ):
-        """Upstream's; first the shards' byte ranges of an asynchronous local save."""
-        st = COMPONENT.state
-        if st is not None and getattr(st.args, "async_save", False):
-            # only the fully parallel distribution saves one copy per DP group ("atomic": all)
-            st.shard_regions = shard_regions(sharded_part) if fully_parallel else []
-        return upstream(fully_parallel, sharded_part, shard_to_saving_rank, parallelization_group)
-
-    return _remove_redundant_data
 
 
 @dataclass

@@ -75,9 +75,6 @@ class TierState:
         async_writer: the background thread of asynchronous local saves
             (:class:`~.async_save.AsyncLocalWriter`), started by the first one.
         async_pending: their scheduled requests not finalized yet, oldest first.
-        shard_regions: the byte ranges of the state dict's shards of the save in progress, taken
-            before upstream's fully parallel distribution drops those other ranks save
-            (:func:`~.async_save.shard_regions`; asynchronous saves only).
     """
 
     validation: bool
@@ -95,7 +92,6 @@ class TierState:
     warned_unverified: bool = False
     async_writer: Any = None
     async_pending: deque = field(default_factory=deque)
-    shard_regions: Optional[list] = None
 
 
 def gather_objects(obj: Any) -> list:

@@ -73,14 +73,6 @@ def wrap_maybe_finalize(upstream: Any) -> Any:
     return async_save.wrap_maybe_finalize(upstream)
 
 
-def wrap_remove_redundant_data(upstream: Any) -> Any:
-    """Patch factory: :func:`megatron.training_ext.local_tier.async_save.
-    wrap_remove_redundant_data`."""
-    from megatron.training_ext.local_tier import async_save
-
-    return async_save.wrap_remove_redundant_data(upstream)
-
-
 _WHY_ASYNC = (
     "an asynchronous local save (--async-save) stays in this process: a background thread "
     "writes it, the training loop finalizes it once done on every rank"
@@ -130,20 +122,6 @@ class LocalTier(Component[TierState]):
                 otherwise=wrap_maybe_finalize,
             ),
             _WHY_ASYNC + " (train()'s binding)",
-        ),
-        Patch(
-            "megatron.core.dist_checkpointing.tensor_aware_state_dict.MCoreTensorAwareStateDict."
-            "_remove_redundant_data",
-            wrap_remove_redundant_data,
-            "an asynchronous local save snapshots only the shards the rank saves: the state "
-            "digest is summed by the saving ranks, which needs every shard's bytes before "
-            "upstream drops those other ranks save",
-            params=(
-                "fully_parallel",
-                "sharded_part",
-                "shard_to_saving_rank",
-                "parallelization_group",
-            ),
         ),
     )
 

@@ -245,12 +245,11 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             tier.async_writer = async_save.AsyncLocalWriter(self.repl_strategy)
         writer = tier.async_writer
         digest = take_deferred_digest()
-        regions, tier.shard_regions = tier.shard_regions or [], None
         saved = list(state_dict._sharded_tensors)
         tensors = [sh.data for sh in saved]
         extra, bind = [], None
         if digest is not None:  # summed by the ranks that save each shard: only those staged
-            extra, bind = async_save.assign_digest(digest, regions, saved)
+            extra, bind = async_save.assign_digest(digest, saved)
         t1 = time.perf_counter()
         slot = writer.slot_for(iteration)
         t2 = time.perf_counter()

@@ -30,9 +30,12 @@ __all__ = [
     "FORMAT",
     "DeferredDigest",
     "PartialDigest",
+    "ShardRegion",
     "deferred_training_state",
     "digest_training_state",
     "no_torch_function",
+    "shard_regions",
+    "storage_range",
 ]
 
 FORMAT = digest_record.RECORD_FORMAT
@@ -114,6 +117,58 @@ class _Sum:
 
 
 @dataclass
+class ShardRegion:
+    """The bytes of one shard (a contiguous ``ShardedTensor``) of a save's state dict, as the
+    rank holds it before upstream's fully parallel distribution drops the shards other ranks of
+    the data-parallel group save.
+
+    Attributes:
+        sharded: the ``ShardedTensor`` (its ``data`` becomes ``None`` when another rank saves it).
+        storage: ``(device, storage data_ptr)`` of its data.
+        lo, hi: its data's byte addresses ``[lo, hi)``.
+        main: the main replica apart from the data-parallel index (``replica_id`` zero but for
+            its DP entry).
+    """
+
+    sharded: Any
+    storage: tuple
+    lo: int
+    hi: int
+    main: bool
+
+
+def storage_range(t: Any) -> Optional[tuple]:
+    """``((device, storage data_ptr), lo, hi)``, the byte addresses ``[lo, hi)`` of a plain
+    contiguous tensor, else ``None``."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous():
+        return None
+    try:
+        key = (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+    return key, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def shard_regions(sharded_state_dict: Any) -> List[ShardRegion]:
+    """The :class:`ShardRegion` of every contiguous ``ShardedTensor`` with data in a sharded
+    state dict, in its order; only those with megatron-core's ``(PP, TP, DP)`` replica id (any
+    other, and factories, are left out: the blocks inside them go to their main replica)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = []
+    for sh in nested_values(sharded_state_dict):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        where = storage_range(sh.data)
+        ids = sh.replica_id
+        if where is None or not (isinstance(ids, tuple) and len(ids) == 3):
+            continue
+        out.append(ShardRegion(sh, where[0], where[1], where[2], ids[0] == 0 and ids[1] == 0))
+    return out
+
+
+@dataclass
 class DeferredDigest(PartialDigest):
     """A :class:`PartialDigest` whose sums are recorded, not computed: the tensors they read
     (:meth:`tensors`) can be replaced by a snapshot of them (:meth:`bind`) and summed later, off
@@ -124,6 +179,7 @@ class DeferredDigest(PartialDigest):
     iteration: int = 0
     share: Optional[tuple] = None  # (rng, scalars, error) of :func:`deferred_training_state`
     args: Any = None
+    shards: Optional[List[ShardRegion]] = None  # of the save's state dict (the save sets them)
 
     def block_sum(self, data, goff, gshape, main: bool = True) -> Any:
         return _Sum(sd.block_sum, data, (goff, gshape), main=main)
