@@ -65,7 +65,15 @@ class StagingSlot:
     def stage(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """Copies of ``tensors`` (same dtype, shape and strides, on the CPU) in this slot's
         buffers; the previous snapshot's views become invalid. Tensors without a plain storage
-        (quantized wrappers) are cloned. Blocks for the copies on the CPU only."""
+        (quantized wrappers) are cloned. Blocks for the copies on the CPU only. Runs without
+        torch function modes (the CPU backend's costs ~50 us per tensor call; the copies need no
+        device mapping: every device is the source tensor's own)."""
+        from megatron.training_ext.resume_proof.digest import no_torch_function
+
+        with no_torch_function():
+            return self._stage(tensors)
+
+    def _stage(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         pool: dict = {}
         for b in self.buffers:
             pool.setdefault((b.numel(), b.is_pinned()), []).append(b)
@@ -148,7 +156,7 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
         any saved shard), and ``bind(staged_saved, staged_extra)``, which points the kept sums at
         the snapshot.
     """
-    from megatron.training_ext.resume_proof.digest import storage_range
+    from megatron.training_ext.resume_proof.digest import no_torch_function, storage_range
 
     index = {id(sh): i for i, sh in enumerate(saved)}
     by_storage: dict = {}
@@ -157,9 +165,9 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
     keep: List[bool] = []
     covered: List[tuple] = []
     extra: List[Any] = []
-    for _, s in digest.recorded:
-        t = s.read()
-        where = storage_range(t)
+    with no_torch_function():  # reads only: the CPU backend's mode costs ~50 us per call
+        places = [storage_range(s.read()) for _, s in digest.recorded]
+    for (_, s), where in zip(digest.recorded, places):
         shard = None
         if where is not None and where[2] > where[1]:
             shard = next(
@@ -179,11 +187,12 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
     digest.keep(keep)
 
     def bind(staged_saved: List[torch.Tensor], staged_extra: List[torch.Tensor]) -> None:
-        for s, i, off in covered:
-            t = s.read()
-            n = t.numel() * t.element_size()
-            flat = staged_saved[i].detach().reshape(-1).view(torch.uint8)
-            s.rebind(flat[off : off + n].view(t.dtype).view(t.shape))
+        with no_torch_function():
+            for s, i, off in covered:
+                t = s.read()
+                n = t.numel() * t.element_size()
+                flat = staged_saved[i].detach().reshape(-1).view(torch.uint8)
+                s.rebind(flat[off : off + n].view(t.dtype).view(t.shape))
         for s, t in zip(extra, staged_extra, strict=True):
             s.rebind(t)
 
