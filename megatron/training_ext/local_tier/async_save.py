@@ -137,11 +137,14 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
     """Which rank sums each recorded block of a deferred state digest recorded for every replica
     (:func:`~megatron.training_ext.resume_proof.digest.deferred_training_state` with
     ``all_replicas``), so that a rank snapshots only what it saves: a block inside a shard of the
-    state dict (the first such shard, in state dict order) is summed by the rank that saves that
-    shard, from the snapshot of the shard, when the shard is the main replica apart from its DP
-    index; any other block by its main replica, as the live digest does. Every block is summed
-    once over all ranks: the DP group's copies of a shard are laid out alike and upstream's
-    distribution saves exactly one of them. Drops the other sums from ``digest``.
+    state dict (the first such shard, in state dict order) and recorded by every replica
+    (``replicated``) is summed by the rank that saves that shard, from the snapshot of the shard,
+    when the shard is the main replica apart from its DP index; any other block (outside the
+    shards, or one not every replica records: the distributed optimizer's per-rank ranges) by its
+    main replica, as the live digest does, from the snapshot of a shard this rank saves when it
+    lies in one. Every block is summed once over all ranks: the DP group's copies of a shard are
+    laid out alike and upstream's distribution saves exactly one of them. Drops the other sums
+    from ``digest``.
 
     Args:
         digest: the :class:`~megatron.training_ext.resume_proof.digest.DeferredDigest`; its
@@ -174,15 +177,15 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
                 (r for r in by_storage.get(where[0], ()) if r.lo <= where[1] and where[2] <= r.hi),
                 None,
             )
-        if shard is not None:
-            i = index.get(id(shard.sharded))
+        i = None if shard is None else index.get(id(shard.sharded))
+        if shard is not None and s.replicated:
             k = i is not None and shard.main
-            if k:
-                covered.append((s, i, where[1] - shard.lo))
-        else:
+        else:  # the live digest's rule: e.g. the distributed optimizer's per-rank ranges
             k = bool(s.main)
-            if k:
-                extra.append(s)
+        if k and i is not None:
+            covered.append((s, i, where[1] - shard.lo))
+        elif k:
+            extra.append(s)
         keep.append(k)
     digest.keep(keep)
 

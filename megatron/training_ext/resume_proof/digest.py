@@ -73,23 +73,37 @@ class PartialDigest:
         if old != meta:
             raise RuntimeError(f"resume proof: tensor {key!r} described twice: {old} vs {meta}")
 
-    def block_sum(self, data: torch.Tensor, goff, gshape, main: bool = True) -> Any:
+    def block_sum(
+        self, data: torch.Tensor, goff, gshape, main: bool = True, replicated: bool = False
+    ) -> Any:
         """:func:`megatron.integrity.digest.state.block_sum` of a block (a deferred digest
-        records it instead; ``main``: the block is the main replica's)."""
+        records it instead; ``main``: the block is the main replica's; ``replicated``: every
+        replica of the block records it, as ``all_replicas`` does for the model and a
+        non-distributed optimizer, not the distributed optimizer's per-rank ranges)."""
         return sd.block_sum(data, goff, gshape)
 
     def range_sum(
-        self, data: torch.Tensor, lo: int, hi: int, lshape, goff, gshape, values, main: bool = True
+        self,
+        data: torch.Tensor,
+        lo: int,
+        hi: int,
+        lshape,
+        goff,
+        gshape,
+        values,
+        main: bool = True,
+        replicated: bool = False,
     ) -> Any:
         """:func:`megatron.integrity.digest.state.range_sum` of a range (a deferred digest records
-        it instead; ``main`` as :meth:`block_sum`)."""
+        it instead; ``main``, ``replicated`` as :meth:`block_sum`)."""
         return sd.range_sum(data, lo, hi, lshape, goff, gshape, values=values)
 
 
 @dataclass
 class _Sum:
     """A recorded block or range sum: ``fn(*args, values=values)`` with the tensors replaceable
-    (by their snapshot). ``main``: the block is the main replica's. :meth:`read` is the tensor
+    (by their snapshot). ``main``: the block is the main replica's; ``replicated``: every replica
+    of it recorded it (see :meth:`PartialDigest.block_sum`). :meth:`read` is the tensor
     whose elements it sums (``values`` when given: ``range_sum`` reads only its shape from
     ``data`` then)."""
 
@@ -98,6 +112,7 @@ class _Sum:
     args: tuple
     values: Optional[torch.Tensor] = None
     main: bool = True
+    replicated: bool = False
 
     def read(self) -> torch.Tensor:
         """The tensor whose elements the sum reads."""
@@ -183,11 +198,14 @@ class DeferredDigest(PartialDigest):
     args: Any = None
     shards: Optional[List[ShardRegion]] = None  # of the save's state dict (the save sets them)
 
-    def block_sum(self, data, goff, gshape, main: bool = True) -> Any:
-        return _Sum(sd.block_sum, data, (goff, gshape), main=main)
+    def block_sum(self, data, goff, gshape, main: bool = True, replicated: bool = False) -> Any:
+        return _Sum(sd.block_sum, data, (goff, gshape), main=main, replicated=replicated)
 
-    def range_sum(self, data, lo, hi, lshape, goff, gshape, values, main: bool = True) -> Any:
-        return _Sum(sd.range_sum, data, (lo, hi, lshape, goff, gshape), values, main=main)
+    def range_sum(
+        self, data, lo, hi, lshape, goff, gshape, values, main=True, replicated=False
+    ) -> Any:
+        args = (lo, hi, lshape, goff, gshape)
+        return _Sum(sd.range_sum, data, args, values, main=main, replicated=replicated)
 
     def add(self, key: str, value: Any, shape, dtype, kind: str) -> None:
         if isinstance(value, _Sum):
@@ -294,7 +312,7 @@ def _add_model(shs: List[Any], acc: PartialDigest) -> None:
             continue
         for part, _ in _blocks(sh, sh.data):
             _lshape, goff, gshape = _place(part)
-            v = acc.block_sum(part.data, goff, gshape, main=main)
+            v = acc.block_sum(part.data, goff, gshape, main=main, replicated=acc.all_replicas)
             acc.add(part.key, v, gshape, part.data.dtype, "model")
 
 
@@ -382,7 +400,9 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: PartialDigest)
                 lshape, goff, gshape = _place(part)
                 n = part.data.numel()
                 flat = value.reshape(-1)[off : off + n]
-                v = acc.range_sum(part.data, 0, n, lshape, goff, gshape, flat, main=is_main)
+                v = acc.range_sum(
+                    part.data, 0, n, lshape, goff, gshape, flat, main=is_main, replicated=True
+                )
                 acc.add(key, v, gshape, value.dtype, "optimizer")
 
 

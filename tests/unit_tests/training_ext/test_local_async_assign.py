@@ -26,7 +26,7 @@ def _rank(dp: int, saves: set, values: dict):
         main = dp == 0
         acc.add(
             k,
-            acc.block_sum(t, (0,) * t.dim(), tuple(t.shape), main=main),
+            acc.block_sum(t, (0,) * t.dim(), tuple(t.shape), main=main, replicated=True),
             t.shape,
             t.dtype,
             "model",
@@ -73,6 +73,37 @@ def test_a_tp_replica_or_a_foreign_replica_id_is_not_summed_twice():
     t = torch.randn(6)
     shard = _sharded("ln", t, dp=0, tp_replica=1)  # TP rank 1's copy of a TP-replicated tensor
     acc = DeferredDigest(all_replicas=True, shards=shard_regions({"ln": shard}))
-    acc.add("ln", acc.block_sum(t, (0,), (6,), main=False), (6,), t.dtype, "model")
+    acc.add("ln", acc.block_sum(t, (0,), (6,), main=False, replicated=True), (6,), t.dtype, "model")
     extra, _bind = assign_digest(acc, [shard])
     assert extra == [] and acc.recorded == []  # TP rank 0's copy is the one summed
+
+
+def test_a_per_rank_range_inside_a_shard_another_rank_saves_is_summed_by_its_owner():
+    """The distributed optimizer's ranges: each DP rank records only its own range (main), not
+    every replica's; a range inside a shard that the other rank saves is still summed here."""
+    param = torch.arange(8, dtype=torch.float32)
+    shard = _sharded("w", param, dp=1)  # DP rank 1; upstream's distribution: rank 0 saves it
+    acc = DeferredDigest(all_replicas=True, shards=shard_regions({"w": shard}))
+    mine = param[4:8]  # this rank's range of the parameter
+    acc.add(
+        "optimizer.state.fp32_param.w",
+        acc.range_sum(param, 4, 8, (8,), (0,), (8,), mine),
+        (8,),
+        mine.dtype,
+        "optimizer",
+    )
+    extra, bind = assign_digest(acc, [])  # the shard is not saved here
+    assert len(acc.recorded) == 1 and len(extra) == 1 and extra[0] is mine
+    snapshot = StagingSlot().stage(extra)
+    bind([], snapshot)
+    param.zero_()
+    acc.evaluate()
+    want = PartialDigest()
+    want.add(
+        "optimizer.state.fp32_param.w",
+        want.range_sum(param, 4, 8, (8,), (0,), (8,), torch.arange(4, 8, dtype=torch.float32)),
+        (8,),
+        mine.dtype,
+        "optimizer",
+    )
+    assert acc.sums == want.sums
