@@ -34,6 +34,7 @@ __all__ = [
     "AsyncLocalWriter",
     "LocalAsyncRequest",
     "StagingSlot",
+    "assign_digest",
     "pending_requests",
     "route_schedule",
     "stop_writer",
@@ -64,7 +65,15 @@ class StagingSlot:
     def stage(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """Copies of ``tensors`` (same dtype, shape and strides, on the CPU) in this slot's
         buffers; the previous snapshot's views become invalid. Tensors without a plain storage
-        (quantized wrappers) are cloned. Blocks for the copies on the CPU only."""
+        (quantized wrappers) are cloned. Blocks for the copies on the CPU only. Runs without
+        torch function modes (the CPU backend's costs ~50 us per tensor call; the copies need no
+        device mapping: every device is the source tensor's own)."""
+        from megatron.training_ext.resume_proof.digest import no_torch_function
+
+        with no_torch_function():
+            return self._stage(tensors)
+
+    def _stage(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         pool: dict = {}
         for b in self.buffers:
             pool.setdefault((b.numel(), b.is_pinned()), []).append(b)
@@ -122,6 +131,75 @@ class StagingSlot:
         """Wait for the device-to-host copies of the last :meth:`stage` (no-op on the CPU)."""
         if self.event is not None:
             self.event.synchronize()
+
+
+def assign_digest(digest: Any, saved: List[Any]) -> tuple:
+    """Which rank sums each recorded block of a deferred state digest recorded for every replica
+    (:func:`~megatron.training_ext.resume_proof.digest.deferred_training_state` with
+    ``all_replicas``), so that a rank snapshots only what it saves: a block inside a shard of the
+    state dict (the first such shard, in state dict order) and recorded by every replica
+    (``replicated``) is summed by the rank that saves that shard, from the snapshot of the shard,
+    when the shard is the main replica apart from its DP index; any other block (outside the
+    shards, or one not every replica records: the distributed optimizer's per-rank ranges) by its
+    main replica, as the live digest does, from the snapshot of a shard this rank saves when it
+    lies in one. Every block is summed once over all ranks: the DP group's copies of a shard are
+    laid out alike and upstream's distribution saves exactly one of them. Drops the other sums
+    from ``digest``.
+
+    Args:
+        digest: the :class:`~megatron.training_ext.resume_proof.digest.DeferredDigest`; its
+            ``shards`` (:func:`~megatron.training_ext.resume_proof.digest.shard_regions` of the
+            save's state dict, taken before upstream's distribution dropped the shards other
+            ranks save) say where the shards lie; none: every block goes to its main replica.
+        saved: the ``ShardedTensor`` objects this rank saves, in the state dict's ``tensors``
+            order.
+
+    Returns:
+        ``(extra, bind)``: the tensors to snapshot besides the saved ones (blocks summed outside
+        any saved shard), and ``bind(staged_saved, staged_extra)``, which points the kept sums at
+        the snapshot.
+    """
+    from megatron.training_ext.resume_proof.digest import no_torch_function, storage_range
+
+    index = {id(sh): i for i, sh in enumerate(saved)}
+    by_storage: dict = {}
+    for r in digest.shards or ():
+        by_storage.setdefault(r.storage, []).append(r)
+    keep: List[bool] = []
+    covered: List[tuple] = []
+    extra: List[Any] = []
+    with no_torch_function():  # reads only: the CPU backend's mode costs ~50 us per call
+        places = [storage_range(s.read()) for _, s in digest.recorded]
+    for (_, s), where in zip(digest.recorded, places):
+        shard = None
+        if where is not None and where[2] > where[1]:
+            shard = next(
+                (r for r in by_storage.get(where[0], ()) if r.lo <= where[1] and where[2] <= r.hi),
+                None,
+            )
+        i = None if shard is None else index.get(id(shard.sharded))
+        if shard is not None and s.replicated:
+            k = i is not None and shard.main
+        else:  # the live digest's rule: e.g. the distributed optimizer's per-rank ranges
+            k = bool(s.main)
+        if k and i is not None:
+            covered.append((s, i, where[1] - shard.lo))
+        elif k:
+            extra.append(s)
+        keep.append(k)
+    digest.keep(keep)
+
+    def bind(staged_saved: List[torch.Tensor], staged_extra: List[torch.Tensor]) -> None:
+        with no_torch_function():
+            for s, i, off in covered:
+                t = s.read()
+                n = t.numel() * t.element_size()
+                flat = staged_saved[i].detach().reshape(-1).view(torch.uint8)
+                s.rebind(flat[off : off + n].view(t.dtype).view(t.shape))
+        for s, t in zip(extra, staged_extra, strict=True):
+            s.rebind(t)
+
+    return [s.read() for s in extra], bind
 
 
 @dataclass

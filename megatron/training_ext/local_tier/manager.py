@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
     CheckpointingException,
@@ -79,13 +80,24 @@ def _write_error_text(directory, ckpt_id, state_dict, e: Exception) -> str:
 def _no_host_clone(state_dict) -> None:
     """A synchronous save writes the tensors before it returns, so NVRx's
     ``copy_tensors_to_cpu`` need not clone the host tensors first (a copy of the whole shard per
-    save; it keeps the device-to-host copy of device tensors): mark them as copies already."""
+    save; it keeps the device-to-host copy of device tensors). Each host tensor that spans its
+    whole storage is replaced by a plain tensor sharing its memory (``detach()``) and marked as a
+    copy already. Not the ``nn.Parameter`` itself: pickling a parameter pickles its attributes,
+    e.g. ``main_grad``, a view of DDP's whole gradient buffer, which ``torch.save`` then writes
+    whole (a 78 MB shard became a 130 MB file). A view of part of a larger storage is left to
+    NVRx's clone (``torch.save`` writes a view's whole storage)."""
     try:
-        for sh in state_dict._sharded_tensors:
-            if sh.data is not None and sh.data.device.type == "cpu":
-                sh.orig_device = "cpu"
+        sharded = list(state_dict._sharded_tensors)
     except AttributeError:  # not an MCoreTensorAwareStateDict: NVRx clones as before
-        pass
+        return
+    for sh in sharded:
+        t = sh.data
+        if t is None or t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            continue
+        nbytes = t.numel() * t.element_size()
+        if t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes:
+            sh.data = t.detach()
+            sh.orig_device = "cpu"
 
 
 class ValidatedLocalCheckpointManager(LocalCheckpointManager):
@@ -233,15 +245,18 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             tier.async_writer = async_save.AsyncLocalWriter(self.repl_strategy)
         writer = tier.async_writer
         digest = take_deferred_digest()
-        tensors = list(state_dict.tensors)
-        extra = digest.tensors() if digest is not None else []
+        saved = list(state_dict._sharded_tensors)
+        tensors = [sh.data for sh in saved]
+        extra, bind = [], None
+        if digest is not None:  # summed by the ranks that save each shard: only those staged
+            extra, bind = async_save.assign_digest(digest, saved)
         t1 = time.perf_counter()
         slot = writer.slot_for(iteration)
         t2 = time.perf_counter()
         staged = slot.stage(tensors + extra)
         t3 = time.perf_counter()
-        if digest is not None:
-            digest.bind(staged[len(tensors) :])
+        if bind is not None:
+            bind(staged[: len(tensors)], staged[len(tensors) :])
         state_dict.pop_tensors()
         job = async_save.AsyncJob(
             iteration,

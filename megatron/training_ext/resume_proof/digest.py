@@ -30,9 +30,12 @@ __all__ = [
     "FORMAT",
     "DeferredDigest",
     "PartialDigest",
+    "ShardRegion",
     "deferred_training_state",
     "digest_training_state",
     "no_torch_function",
+    "shard_regions",
+    "storage_range",
 ]
 
 FORMAT = digest_record.RECORD_FORMAT
@@ -48,11 +51,15 @@ class PartialDigest:
         meta: key -> (global shape, dtype name without ``torch.``, ``"model"`` or
             ``"optimizer"``).
         skipped: what could not be digested (keys, or a description), reported as not digested.
+        all_replicas: also record the blocks of replicas other than the main one (a
+            :class:`DeferredDigest` whose sums the saving rank evaluates); ``False``: only the
+            main replica's blocks are digested.
     """
 
     sums: Dict[str, int] = field(default_factory=dict)
     meta: Dict[str, Tuple[Tuple[int, ...], str, str]] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
+    all_replicas: bool = False
 
     def add(self, key: str, value: int, shape, dtype, kind: str) -> None:
         """Add ``value`` (a block's sum) to ``key``'s partial sum, modulo 2**64.
@@ -66,31 +73,116 @@ class PartialDigest:
         if old != meta:
             raise RuntimeError(f"resume proof: tensor {key!r} described twice: {old} vs {meta}")
 
-    def block_sum(self, data: torch.Tensor, goff, gshape) -> Any:
+    def block_sum(
+        self, data: torch.Tensor, goff, gshape, main: bool = True, replicated: bool = False
+    ) -> Any:
         """:func:`megatron.integrity.digest.state.block_sum` of a block (a deferred digest
-        records it instead)."""
+        records it instead; ``main``: the block is the main replica's; ``replicated``: every
+        replica of the block records it, as ``all_replicas`` does for the model and a
+        non-distributed optimizer, not the distributed optimizer's per-rank ranges)."""
         return sd.block_sum(data, goff, gshape)
 
-    def range_sum(self, data: torch.Tensor, lo: int, hi: int, lshape, goff, gshape, values) -> Any:
+    def range_sum(
+        self,
+        data: torch.Tensor,
+        lo: int,
+        hi: int,
+        lshape,
+        goff,
+        gshape,
+        values,
+        main: bool = True,
+        replicated: bool = False,
+    ) -> Any:
         """:func:`megatron.integrity.digest.state.range_sum` of a range (a deferred digest records
-        it instead)."""
+        it instead; ``main``, ``replicated`` as :meth:`block_sum`)."""
         return sd.range_sum(data, lo, hi, lshape, goff, gshape, values=values)
 
 
 @dataclass
 class _Sum:
     """A recorded block or range sum: ``fn(*args, values=values)`` with the tensors replaceable
-    (by their snapshot)."""
+    (by their snapshot). ``main``: the block is the main replica's; ``replicated``: every replica
+    of it recorded it (see :meth:`PartialDigest.block_sum`). :meth:`read` is the tensor
+    whose elements it sums (``values`` when given: ``range_sum`` reads only its shape from
+    ``data`` then)."""
 
     fn: Any
     data: torch.Tensor
     args: tuple
     values: Optional[torch.Tensor] = None
+    main: bool = True
+    replicated: bool = False
+
+    def read(self) -> torch.Tensor:
+        """The tensor whose elements the sum reads."""
+        return self.data if self.values is None else self.values
+
+    def rebind(self, t: torch.Tensor) -> None:
+        """Read ``t`` (a copy of :meth:`read`) instead."""
+        if self.values is None:
+            self.data = t
+        else:
+            self.values = t
 
     def __call__(self) -> int:
         if self.fn is sd.block_sum:
             return sd.block_sum(self.data, *self.args)
         return sd.range_sum(self.data, *self.args, values=self.values)
+
+
+@dataclass
+class ShardRegion:
+    """The bytes of one shard (a contiguous ``ShardedTensor``) of a save's state dict, as the
+    rank holds it before upstream's fully parallel distribution drops the shards other ranks of
+    the data-parallel group save.
+
+    Attributes:
+        sharded: the ``ShardedTensor`` (its ``data`` becomes ``None`` when another rank saves it).
+        storage: ``(device, storage data_ptr)`` of its data.
+        lo, hi: its data's byte addresses ``[lo, hi)``.
+        main: the main replica apart from the data-parallel index (``replica_id`` zero but for
+            its DP entry).
+    """
+
+    sharded: Any
+    storage: tuple
+    lo: int
+    hi: int
+    main: bool
+
+
+def storage_range(t: Any) -> Optional[tuple]:
+    """``((device, storage data_ptr), lo, hi)``, the byte addresses ``[lo, hi)`` of a plain
+    contiguous tensor, else ``None``."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous():
+        return None
+    try:
+        key = (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+    return key, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def shard_regions(sharded_state_dict: Any) -> List[ShardRegion]:
+    """The :class:`ShardRegion` of every contiguous ``ShardedTensor`` with data in a sharded
+    state dict, in its order; only those with megatron-core's ``(PP, TP, DP)`` replica id (any
+    other, and factories, are left out: the blocks inside them go to their main replica)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = []
+    with no_torch_function():  # reads only: the CPU backend's mode costs ~50 us per call
+        for sh in nested_values(sharded_state_dict):
+            if not isinstance(sh, ShardedTensor):
+                continue
+            where = storage_range(sh.data)
+            ids = sh.replica_id
+            if where is None or not (isinstance(ids, tuple) and len(ids) == 3):
+                continue
+            main = ids[0] == 0 and ids[1] == 0
+            out.append(ShardRegion(sh, where[0], where[1], where[2], main))
+    return out
 
 
 @dataclass
@@ -104,12 +196,16 @@ class DeferredDigest(PartialDigest):
     iteration: int = 0
     share: Optional[tuple] = None  # (rng, scalars, error) of :func:`deferred_training_state`
     args: Any = None
+    shards: Optional[List[ShardRegion]] = None  # of the save's state dict (the save sets them)
 
-    def block_sum(self, data, goff, gshape) -> Any:
-        return _Sum(sd.block_sum, data, (goff, gshape))
+    def block_sum(self, data, goff, gshape, main: bool = True, replicated: bool = False) -> Any:
+        return _Sum(sd.block_sum, data, (goff, gshape), main=main, replicated=replicated)
 
-    def range_sum(self, data, lo, hi, lshape, goff, gshape, values) -> Any:
-        return _Sum(sd.range_sum, data, (lo, hi, lshape, goff, gshape), values)
+    def range_sum(
+        self, data, lo, hi, lshape, goff, gshape, values, main=True, replicated=False
+    ) -> Any:
+        args = (lo, hi, lshape, goff, gshape)
+        return _Sum(sd.range_sum, data, args, values, main=main, replicated=replicated)
 
     def add(self, key: str, value: Any, shape, dtype, kind: str) -> None:
         if isinstance(value, _Sum):
@@ -118,22 +214,20 @@ class DeferredDigest(PartialDigest):
         super().add(key, value, shape, dtype, kind)
 
     def tensors(self) -> List[torch.Tensor]:
-        """The tensors the recorded sums read, in order (``data``, then ``values`` if any)."""
-        out: List[torch.Tensor] = []
-        for _, s in self.recorded:
-            out.append(s.data)
-            if s.values is not None:
-                out.append(s.values)
-        return out
+        """The tensors the recorded sums read, in order (one per sum: ``values`` if given, else
+        ``data``)."""
+        return [s.read() for _, s in self.recorded]
 
     def bind(self, tensors: List[torch.Tensor]) -> None:
         """Replace the recorded tensors by ``tensors`` (same order and shapes as
         :meth:`tensors`: their snapshot)."""
-        it = iter(tensors)
-        for _, s in self.recorded:
-            s.data = next(it)
-            if s.values is not None:
-                s.values = next(it)
+        for (_, s), t in zip(self.recorded, tensors, strict=True):
+            s.rebind(t)
+
+    def keep(self, which: List[bool]) -> None:
+        """Keep only the recorded sums whose entry of ``which`` (one per sum, in order) is true
+        (the others are evaluated on another rank, or by none: a replica's)."""
+        self.recorded = [r for r, k in zip(self.recorded, which, strict=True) if k]
 
     def evaluate(self) -> None:
         """Compute the recorded sums into :attr:`sums` (releases the tensors)."""
@@ -213,13 +307,13 @@ def _optimizers(optimizer: Any) -> List[Any]:
 
 def _add_model(shs: List[Any], acc: PartialDigest) -> None:
     for sh in shs:
-        if not _main(sh.replica_id):
+        main = _main(sh.replica_id)
+        if not (main or acc.all_replicas):
             continue
         for part, _ in _blocks(sh, sh.data):
             _lshape, goff, gshape = _place(part)
-            acc.add(
-                part.key, acc.block_sum(part.data, goff, gshape), gshape, part.data.dtype, "model"
-            )
+            v = acc.block_sum(part.data, goff, gshape, main=main, replicated=acc.all_replicas)
+            acc.add(part.key, v, gshape, part.data.dtype, "model")
 
 
 def _state_tensors(states: Dict[str, Any]):
@@ -292,7 +386,8 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: PartialDigest)
     mains = _main_params(opt)
     for pid, sh in part_map.items():
         main = mains.get(pid)
-        if main is None or not _main(sh.replica_id):
+        is_main = _main(sh.replica_id)
+        if main is None or not (is_main or acc.all_replicas):
             continue
         states = {"param": main}
         states.update(opt.optimizer.state.get(main, {}))
@@ -304,8 +399,9 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: PartialDigest)
                     continue
                 lshape, goff, gshape = _place(part)
                 n = part.data.numel()
+                flat = value.reshape(-1)[off : off + n]
                 v = acc.range_sum(
-                    part.data, 0, n, lshape, goff, gshape, value.reshape(-1)[off : off + n]
+                    part.data, 0, n, lshape, goff, gshape, flat, main=is_main, replicated=True
                 )
                 acc.add(key, v, gshape, value.dtype, "optimizer")
 
@@ -515,16 +611,26 @@ def digest_training_state(
 
 
 def deferred_training_state(
-    model: List[Any], optimizer: Any, opt_param_scheduler: Any, args: Any, iteration: int
+    model: List[Any],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    args: Any,
+    iteration: int,
+    all_replicas: bool = False,
 ) -> Optional[DeferredDigest]:
     """This rank's share of the state digest with its sums recorded, not computed (no
     collective): the RNG digests and scalars are taken now; the tensors the sums read are
     :meth:`DeferredDigest.tensors`, to snapshot and :meth:`~DeferredDigest.bind`; then
     :func:`finish_deferred` (collective). ``None`` under ``fsdp_dtensor`` (its digest needs
-    collectives of the training loop: digest synchronously)."""
+    collectives of the training loop: digest synchronously).
+
+    ``all_replicas``: the blocks of every replica this rank holds are recorded, each marked
+    main or not (``_Sum.main``); the caller must then :meth:`~DeferredDigest.keep` exactly one
+    replica's sum of every block over all ranks (the local tier keeps the saving rank's), or
+    only the main ones."""
     if getattr(args, "ckpt_format", None) == "fsdp_dtensor":
         return None
-    acc = DeferredDigest()
+    acc = DeferredDigest(all_replicas=all_replicas)
     mine = _local_share(model, optimizer, opt_param_scheduler, args, iteration, acc=acc)
     acc.share = (mine[3], mine[4], mine[5])
     acc.args = args

@@ -25,6 +25,7 @@ from megatron.training_ext.resume_proof.compare import compare, grouped
 from megatron.training_ext.resume_proof.digest import (
     deferred_training_state,
     digest_training_state,
+    shard_regions,
 )
 from megatron.training_ext.resume_proof.exchange import DigestUnavailable
 
@@ -140,7 +141,7 @@ def _wrap_save_checkpoint(orig):
         try:
             if _async_local_save(args, ba.arguments):  # digested from the snapshot, off the loop
                 st.pending = None
-                st.deferred = deferred_training_state(*parts)
+                st.deferred = deferred_training_state(*parts, all_replicas=True)
             if st.deferred is None:
                 st.pending = digest_training_state(*parts, exchange=st.exchange)
         except (
@@ -176,7 +177,10 @@ def _async_local_save(args: Any, arguments: Dict[str, Any]) -> bool:
 
 def take_deferred_digest():
     """The deferred digest (:class:`~.digest.DeferredDigest`) of the asynchronous local save in
-    progress, once (the local tier's save takes it), else ``None``."""
+    progress, once (the local tier's save takes it), else ``None``. It records every replica's
+    blocks (``all_replicas``) and, once upstream built the save's state dict, where its shards lie
+    (``shards``): the taker keeps one sum per block over all ranks
+    (:func:`megatron.training_ext.local_tier.async_save.assign_digest`)."""
     st = proof_state()
     if st is None:
         return None
@@ -211,6 +215,9 @@ def _wrap_generate_state_dict(orig):
         (megatron.training_ext.resume_proof)."""
         state_dict = orig(*a, **kw)
         st = proof_state()
+        deferred = None if st is None else getattr(st, "deferred", None)
+        if deferred is not None and isinstance(state_dict, dict):
+            deferred.shards = _shards_of(state_dict)
         if st is not None and st.pending is not None and isinstance(state_dict, dict):
             # without this rank's ``seconds``: the common state must be equal on every rank
             # (upstream's validation warns when it is not)
@@ -220,6 +227,17 @@ def _wrap_generate_state_dict(orig):
         return state_dict
 
     return generate_state_dict
+
+
+def _shards_of(state_dict: dict) -> list:
+    """Where the shards of an asynchronous local save's state dict lie
+    (:func:`~.digest.shard_regions`), for the saving ranks to sum the deferred digest: only
+    under the fully parallel distribution (one copy of each shard saved per DP group; the
+    ``atomic`` algorithm saves every copy)."""
+    from megatron.training import checkpointing
+
+    algo = getattr(checkpointing.get_args(), "non_persistent_local_ckpt_algo", "fully_parallel")
+    return shard_regions(state_dict) if algo == "fully_parallel" else []
 
 
 def _wrap_load_base_checkpoint(orig):
