@@ -75,6 +75,8 @@ class TierState:
         async_writer: the background thread of asynchronous local saves
             (:class:`~.async_save.AsyncLocalWriter`), started by the first one.
         async_pending: their scheduled requests not finalized yet, oldest first.
+        distribution_cache: ``((algo, group id, structure fingerprint), distribution)`` of the
+            last local save (:mod:`.structure_cache`).
     """
 
     validation: bool
@@ -92,6 +94,7 @@ class TierState:
     warned_unverified: bool = False
     async_writer: Any = None
     async_pending: deque = field(default_factory=deque)
+    distribution_cache: Optional[tuple] = None
 
 
 def gather_objects(obj: Any) -> list:

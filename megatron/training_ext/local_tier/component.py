@@ -73,6 +73,14 @@ def wrap_maybe_finalize(upstream: Any) -> Any:
     return async_save.wrap_maybe_finalize(upstream)
 
 
+def wrap_from_state_dict(upstream: Any) -> Any:
+    """Patch factory: :func:`megatron.training_ext.local_tier.structure_cache.
+    wrap_from_state_dict`."""
+    from megatron.training_ext.local_tier import structure_cache
+
+    return structure_cache.wrap_from_state_dict(upstream)
+
+
 _WHY_ASYNC = (
     "an asynchronous local save (--async-save) stays in this process: a background thread "
     "writes it, the training loop finalizes it once done on every rank"
@@ -122,6 +130,15 @@ class LocalTier(Component[TierState]):
                 otherwise=wrap_maybe_finalize,
             ),
             _WHY_ASYNC + " (train()'s binding)",
+        ),
+        Patch(
+            "megatron.core.dist_checkpointing.tensor_aware_state_dict.MCoreTensorAwareStateDict."
+            "from_state_dict",
+            wrap_from_state_dict,
+            "every local save re-validated the sharding and recomputed the shard distribution "
+            "(two all_gather_object calls in the training loop) unless the user promised a "
+            "constant structure; the distribution is reused while no rank's structure changed",
+            params=("sharded_state_dict", "algo", "parallelization_group", "cached_metadata"),
         ),
     )
 
