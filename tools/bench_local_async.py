@@ -24,7 +24,8 @@ turn), so load on the machine affects all variants alike. Columns:
 
 Variants: ``none`` (no checkpoints); ``sync`` (this fork), ``upstream``
 (``--no-local-tier-validation``), ``async`` (``--async-save``); ``-repl``: with ``--replication
---replication-jump 1 --replication-factor 2``.
+--replication-jump 1 --replication-factor 2``; ``NAME@K`` (e.g. ``async-repl@4``): a local save
+every K iterations instead of every iteration.
 """
 
 from __future__ import annotations
@@ -83,14 +84,21 @@ def _rank_entry(argv: list[str]) -> None:
     runpy.run_path(str(ROOT / "pretrain_gpt.py"), run_name="__main__")
 
 
+def _split(variant: str) -> tuple[str, int]:
+    """``name@k`` -> (name, k): the variant with a local save every k iterations (default 1)."""
+    name, _, interval = variant.partition("@")
+    return name, int(interval or 1)
+
+
 def _command(variant: str, work: Path, iters: int, port: int) -> list[str]:
     args = [*MODEL, "--train-iters", str(iters)]
-    extra = VARIANTS[variant]
+    name, interval = _split(variant)
+    extra = VARIANTS[name]
     if extra is not None:
         args += ["--save", str(work / "ckpt"), "--save-interval", "100000"]
         args += ["--ckpt-format", "torch_dist", "--non-persistent-ckpt-type", "local"]
         args += ["--non-persistent-local-ckpt-dir", str(work / "local")]
-        args += ["--non-persistent-save-interval", "1", *extra]
+        args += ["--non-persistent-save-interval", str(interval), *extra]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launcher += ["--master-port", str(port)]
     return [*launcher, str(Path(__file__).resolve()), "--rank-entry", *args]
@@ -170,12 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=24)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    p.add_argument(
+        "--only",
+        default=",".join(VARIANTS),
+        help="comma-separated variants; NAME@K saves every K iterations (default 1)",
+    )
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--logs", default=None, help="directory for each variant's last output")
     a = p.parse_args(argv)
     variants = [v for v in a.only.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if _split(v)[0] not in VARIANTS or _split(v)[1] < 1]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
     log_dir = Path(a.logs or tempfile.mkdtemp(prefix="bench-local-async-logs-"))
