@@ -96,6 +96,7 @@ class PatchRegistry:
             raise ValueError(f"replacing {dotted_name(obj)}.{name}: owner and why are required")
         had = name in vars(obj) if hasattr(obj, "__dict__") else hasattr(obj, name)
         old = getattr(obj, name, None)
+        raw_old = _raw(obj, name)  # a class's classmethod itself, not the bound method: restored
         target = f"{dotted_name(obj)}.{name}"
         with self._lock:
             depth = 1 + sum(1 for e in self._entries if e.obj is obj and e.name == name)
@@ -107,7 +108,7 @@ class PatchRegistry:
                 adds_attribute=not hasattr(obj, name),
                 depth=depth,
             )
-            self._entries.append(_Entry(obj, name, old, new, had, record, token))
+            self._entries.append(_Entry(obj, name, raw_old, new, had, record, token))
         setattr(obj, name, new)
         return old
 
@@ -147,7 +148,15 @@ class PatchRegistry:
         """True if the current value of ``obj.name`` was put there through this registry."""
         with self._lock:
             entries = [e for e in self._entries if e.obj is obj and e.name == name]
-        return any(getattr(obj, name, None) is e.new for e in entries)
+        return any(_raw(obj, name) is e.new for e in entries)
+
+
+def _raw(obj: Any, name: str) -> Any:
+    """``obj.name`` as stored: a class's own ``classmethod``/``staticmethod`` object rather than
+    what attribute access makes of it (a new bound method each time), else ``getattr``."""
+    if isinstance(obj, type) and name in vars(obj):
+        return vars(obj)[name]
+    return getattr(obj, name, None)
 
 
 #: The process-wide registry.

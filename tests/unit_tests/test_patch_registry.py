@@ -45,6 +45,27 @@ def test_records_stack_and_restore_by_owner():
     assert mod.fn() == "upstream" and reg.records() == []
 
 
+def test_a_classmethod_is_recorded_and_restored_as_a_classmethod():
+    """Attribute access makes a new bound method each time: the record compares the class's own
+    ``classmethod`` object, and the restore puts it back (not a method bound to the base)."""
+
+    class Base:
+        @classmethod
+        def make(cls):
+            return cls
+
+    class Sub(Base):
+        pass
+
+    reg = PatchRegistry()
+    upstream = Base.make
+    p = Patcher("o", reg)
+    p.replace(Base, "make", classmethod(lambda cls: ("patched", upstream.__func__(cls))), "why")
+    assert reg.is_recorded(Base, "make") and Sub.make() == ("patched", Sub)
+    p.restore()
+    assert isinstance(vars(Base)["make"], classmethod) and Sub.make() is Sub
+
+
 def test_owner_and_why_are_required():
     reg = PatchRegistry()
     mod = types.ModuleType("m")

@@ -89,6 +89,8 @@ def wrap_from_state_dict(upstream: Any) -> Any:
     from megatron.overlay import wraps_upstream
     from megatron.training_ext.local_tier.component import COMPONENT
 
+    func = getattr(upstream, "__func__", None)  # upstream's classmethod, called with our cls
+
     @wraps_upstream(upstream)
     def from_state_dict(
         cls,
@@ -99,19 +101,25 @@ def wrap_from_state_dict(upstream: Any) -> Any:
     ):
         """Upstream's, reusing the previous save's distribution when no rank's structure
         changed (local_tier)."""
+
+        def call(cached):
+            if func is not None:
+                return func(cls, sharded_state_dict, algo, parallelization_group, cached)
+            return upstream(sharded_state_dict, algo, parallelization_group, cached)
+
         st = COMPONENT.state
         if (
             st is None
             or cached_metadata is not None
             or not (dist.is_available() and dist.is_initialized())
         ):
-            return upstream(sharded_state_dict, algo, parallelization_group, cached_metadata)
+            return call(cached_metadata)
         fp = structure_fingerprint(sharded_state_dict)
         cache: Optional[tuple] = st.distribution_cache
         key = (algo, id(parallelization_group), fp)
         if not _any_rank(cache is None or cache[0] != key):
-            return upstream(sharded_state_dict, algo, parallelization_group, cache[1])
-        result = upstream(sharded_state_dict, algo, parallelization_group, None)
+            return call(cache[1])
+        result = call(None)
         st.distribution_cache = (key, result[1])
         return result
 
