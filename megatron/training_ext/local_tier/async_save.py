@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.training_ext.console import rank_line
-from megatron.training_ext.local_tier.common import LOG_PREFIX, exc_text, gather_objects, logger
+from megatron.training_ext.local_tier.common import (
+    LOG_PREFIX,
+    exc_text,
+    flag_device,
+    gather_objects,
+    logger,
+)
 
 __all__ = [
     "AsyncJob",
@@ -347,12 +353,6 @@ def pending_requests() -> deque:
     return _NONE if st is None else st.async_pending
 
 
-def _flag_device() -> torch.device:
-    if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def finalize_pending(blocking: bool) -> int:
     """Collective (every rank, training loop): finalize the oldest pending requests whose jobs
     are done on every rank, in save order (``blocking``: wait for all). One all-reduce of two
@@ -367,7 +367,7 @@ def finalize_pending(blocking: bool) -> int:
         flags = torch.tensor(
             [0 if done else 1, 1 if done and request.job.error else 0],
             dtype=torch.int32,
-            device=_flag_device(),
+            device=flag_device(),
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         not_done, failed = flags.tolist()

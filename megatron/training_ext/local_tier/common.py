@@ -102,7 +102,9 @@ def gather_objects(obj: Any) -> list:
     return collective.all_gather_object(obj)
 
 
-def _flag_device() -> torch.device:
+def flag_device() -> torch.device:
+    """Where a small collective's tensor lives: the current CUDA device under NCCL, else the
+    CPU (gloo)."""
     backend = str(dist.get_backend()).lower()
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -111,7 +113,7 @@ def _flag_device() -> torch.device:
 
 def any_rank(flag: bool) -> bool:
     """Collective: True if ``flag`` is set on any rank (one all-reduce of one int)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=flag_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 

@@ -66,19 +66,6 @@ def structure_fingerprint(sharded_state_dict: Any) -> str:
     return h.hexdigest()
 
 
-def _any_rank(flag: bool) -> bool:
-    """Collective (world): whether ``flag`` is true on some rank."""
-    backend = str(dist.get_backend()).lower()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if "nccl" in backend and torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def wrap_from_state_dict(upstream: Any) -> Any:
     """Patch factory for ``MCoreTensorAwareStateDict.from_state_dict`` (a classmethod): when
     upstream passes no cached distribution, the one of the previous local save is passed if no
@@ -87,6 +74,7 @@ def wrap_from_state_dict(upstream: Any) -> Any:
     otherwise upstream computes it (and validates the sharding) and it is cached in the install's
     state (``TierState.distribution_cache``)."""
     from megatron.overlay import wraps_upstream
+    from megatron.training_ext.local_tier.common import any_rank
     from megatron.training_ext.local_tier.component import COMPONENT
 
     func = getattr(upstream, "__func__", None)  # upstream's classmethod, called with our cls
@@ -117,7 +105,7 @@ def wrap_from_state_dict(upstream: Any) -> Any:
         fp = structure_fingerprint(sharded_state_dict)
         cache: Optional[tuple] = st.distribution_cache
         key = (algo, id(parallelization_group), fp)
-        if not _any_rank(cache is None or cache[0] != key):
+        if not any_rank(cache is None or cache[0] != key):
             return call(cache[1])
         result = call(None)
         st.distribution_cache = (key, result[1])
