@@ -20,6 +20,10 @@ turn), so load on the machine affects all variants alike. Columns:
   wall x          training-loop wall time (the first iteration's log line to ``after training is
                   done``, which includes the final wait for background saves) / the same for the
                   run without checkpoints
+  per iteration   share / K for a save every K iterations
+  background CPU  asynchronous saves: the CPU time of the background threads per save (median
+                  over the run's saves, largest rank; the end-of-run line of the local tier),
+                  which competes with training for the cores
   peak RSS MB     the ranks' peak resident memory (``VmHWM``), largest rank
 
 Variants: ``none`` (no checkpoints); ``sync`` (this fork), ``upstream``
@@ -66,6 +70,7 @@ ITER = re.compile(
 )
 DONE = re.compile(r"\[after training is done\] datetime: ([\d-]+ [\d:.]+)")
 RSS = re.compile(r"\[bench-rss\] rank (\d+) (\d+) kB")
+BG = re.compile(r"asynchronous local saves: \d+; background per save \(median\) ([\d.]+) ms CPU")
 
 
 def _rank_entry(argv: list[str]) -> None:
@@ -118,6 +123,7 @@ def parse(output: str) -> dict:
         "iter": statistics.median([ms for i, _, ms in iters if i >= 3]) if iters else None,
         "wall": (_ts(done.group(1)) - iters[0][1]) if done and iters else None,
         "rss": max((int(m.group(2)) for m in RSS.finditer(output)), default=0) / 1024,
+        "bg": max((float(m.group(1)) for m in BG.finditer(output)), default=None),
     }
 
 
@@ -159,16 +165,20 @@ def table(results: dict[str, list[dict]]) -> str:
 
     base_iter, base_wall = med("none", "iter"), med("none", "wall")
     lines = [
-        "| variant | blocking ms | share | iter ms | wall x | peak RSS MB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | blocking ms | share | per iteration | iter ms | wall x | background CPU ms "
+        "| peak RSS MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for variant in results:
         b, it, w = med(variant, "blocking"), med(variant, "iter"), med(variant, "wall")
         share = b / base_iter if b is not None and base_iter else None
+        per_iter = share / _split(variant)[1] if share is not None else None
         ratio = w / base_wall if w is not None and base_wall else None
         lines.append(
             f"| {variant} | {_fmt(b, '.1f')} | {_fmt(share and share * 100, '.1f')}% | "
-            f"{_fmt(it, '.0f')} | {_fmt(ratio, '.2f')} | {_fmt(med(variant, 'rss'), '.0f')} |"
+            f"{_fmt(per_iter and per_iter * 100, '.1f')}% | {_fmt(it, '.0f')} | "
+            f"{_fmt(ratio, '.2f')} | {_fmt(med(variant, 'bg'), '.0f')} | "
+            f"{_fmt(med(variant, 'rss'), '.0f')} |"
         )
     return "\n".join(lines)
 

@@ -129,6 +129,19 @@ _DEVICE_DESCRIPTOR = torch.Tensor.__dict__.get("device") or torch._C.TensorBase.
 _TO_HOST = frozenset((_T.cpu, _T.to))
 
 
+def _getset(name: str) -> Any:
+    return torch.Tensor.__dict__.get(name) or torch._C.TensorBase.__dict__[name]
+
+
+#: Attribute reads and calls that neither take a device nor return a tensor: the mode would only
+#: call them (checkpoint code reads ``shape``/``dtype``/``ndim`` thousands of times per save).
+_PASS_GETTERS = frozenset(
+    _getset(name)
+    for name in ("shape", "dtype", "ndim", "layout", "requires_grad", "is_quantized", "is_sparse")
+)
+_PASS_FUNCS = frozenset((torch._C._set_grad_enabled,))
+
+
 def is_host_tensor(t: torch.Tensor) -> bool:
     """True if ``t`` stands in for a tensor that a GPU run holds in host memory.
 
@@ -189,6 +202,8 @@ class CudaToCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PASS_FUNCS or (type(func) is _DEVICE_GETTER and func.__self__ in _PASS_GETTERS):
+            return func(*args, **(kwargs or {}))
         state = COMPONENT.state
         host = state.host if state is not None else {}
         if type(func) is _DEVICE_GETTER and func.__self__ is _DEVICE_DESCRIPTOR:

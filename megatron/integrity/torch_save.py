@@ -13,7 +13,9 @@ import io
 import os
 import re
 import struct
+import threading
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,7 +27,11 @@ __all__ = [
     "MapView",
     "StorageRecord",
     "load_without_tensors",
+    "crc32_options_per_thread",
     "mapped_tensor",
+    "save_archive",
+    "set_pickle_crc",
+    "storage_crc_off",
     "storage_records",
     "tensor_file_ranges",
 ]
@@ -204,3 +210,107 @@ def load_without_tensors(path: Union[str, os.PathLike]) -> Any:
         OSError, zipfile.BadZipFile, pickle.UnpicklingError, ...: missing, truncated or not a zip.
     """
     return unpickle.load_without_tensors(path)
+
+
+# --------------------------------------------------------------------------- writing an archive
+
+_NO_STORAGE_CRC = threading.local()
+_CENTRAL_HEADER = b"PK\x01\x02"
+_CENTRAL_HEADER_LEN = 46
+
+
+def crc32_options_per_thread(upstream: Any) -> Any:
+    """Patch factory for ``torch.serialization.get_crc32_options`` (which ``torch.save`` reads when
+    it opens its zip writer): upstream's global setting, except in a thread inside
+    :func:`storage_crc_off`. A per-thread switch, because ``torch.serialization.
+    set_crc32_options`` is process-wide and a save in another thread (the persistent tier's
+    ``common.pt``, a DCP byte item) must keep its CRC-32 (readers using ``zipfile`` check it)."""
+    from megatron.overlay import wraps_upstream
+
+    @wraps_upstream(upstream)
+    def get_crc32_options() -> bool:
+        """Upstream's, or ``False`` inside :func:`storage_crc_off` in this thread."""
+        if getattr(_NO_STORAGE_CRC, "on", False):
+            return False
+        return upstream()
+
+    return get_crc32_options
+
+
+class storage_crc_off:
+    """Context manager: a ``torch.save`` in this thread computes no CRC-32 (needs
+    :func:`crc32_options_per_thread` installed; without it the save computes CRC-32 as usual).
+    Only for archives whose tensors carry their own checksums and whose pickle
+    :func:`save_archive` protects."""
+
+    def __enter__(self) -> "storage_crc_off":
+        self._prev = getattr(_NO_STORAGE_CRC, "on", False)
+        _NO_STORAGE_CRC.on = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _NO_STORAGE_CRC.on = self._prev
+
+
+def save_archive(obj: Any, f: IO[bytes]) -> None:
+    """``torch.save(obj, f)`` without CRC-32 of the storage records, then the CRC-32 of
+    ``data.pkl`` written into its local and central headers, so ``zipfile`` (which this
+    package's readers use for the pickle) still checks the pickle.
+
+    Why: ``torch.save`` computes CRC-32 (miniz, about 1.8 GB/s) over every storage record and
+    ``torch.load`` never checks it; for a 78 MB local checkpoint that is 42 of its 65 ms. Use it
+    only where every tensor carries its own checksum (the local tier's XXH3 record).
+
+    Args:
+        f: a seekable binary file object open for writing and reading (``"bx+"``/``"wb+"``),
+            positioned at 0; left positioned at its end.
+
+    Raises:
+        ValueError: the archive has no ``data.pkl``, or a header is not where the directory
+            says (not a ``torch.save`` zip archive).
+        OSError: the write failed.
+    """
+    with storage_crc_off():
+        torch.save(obj, f)
+    set_pickle_crc(f)
+    f.seek(0, os.SEEK_END)
+
+
+def set_pickle_crc(f: IO[bytes]) -> None:
+    """Write the CRC-32 of a ``torch.save`` archive's ``data.pkl`` into its local header and its
+    central directory entry (PKWARE APPNOTE 4.3.7 and 4.3.12: the CRC-32 at byte 14 of the
+    local header and at byte 16 of the central header); other records are left as written.
+
+    Raises:
+        ValueError: no ``data.pkl``, or a header is not where the directory says.
+        OSError, zipfile.BadZipFile: unreadable, or not a zip archive.
+    """
+    f.seek(0)
+    zf = zipfile.ZipFile(f)
+    infos = [i for i in zf.infolist() if i.filename.endswith("/data.pkl")]
+    if not infos:
+        raise ValueError("not a torch.save archive: no data.pkl")
+    info = infos[0]
+    f.seek(info.header_offset)
+    head = f.read(_LOCAL_HEADER_LEN)
+    if len(head) != _LOCAL_HEADER_LEN or head[:4] != _LOCAL_HEADER:
+        raise ValueError(f"{info.filename}: no local header at {info.header_offset}")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    f.seek(info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len)
+    crc = struct.pack("<I", zlib.crc32(f.read(info.compress_size)))
+    pos = zf.start_dir
+    while True:
+        f.seek(pos)
+        entry = f.read(_CENTRAL_HEADER_LEN)
+        if len(entry) != _CENTRAL_HEADER_LEN or entry[:4] != _CENTRAL_HEADER:
+            raise ValueError(f"{info.filename}: no central directory entry")
+        n, e, c = struct.unpack("<HHH", entry[28:34])
+        name = f.read(n).decode("utf-8")
+        if name == info.filename:
+            break
+        pos += _CENTRAL_HEADER_LEN + n + e + c
+    f.seek(info.header_offset + 14)
+    f.write(crc)
+    f.seek(pos + 16)
+    f.write(crc)
+    f.flush()

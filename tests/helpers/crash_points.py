@@ -124,6 +124,12 @@ KINDS: dict[str, SaveKind] = {
             ["local"], target=4, older=2, train_iters=4,
         ),
         SaveKind(
+            "local-async",
+            [*_PERSISTENT, "--save-interval", "1000", "--non-persistent-save-interval", "2",
+             *_LOCAL, "--async-save"],
+            ["local"], target=4, older=2, train_iters=4,
+        ),
+        SaveKind(
             "torch_dist",
             [*_PERSISTENT, "--save-interval", "2"],
             ["ckpt"], target=4, older=2, train_iters=4,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -211,15 +212,24 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
 @dataclass
 class AsyncJob:
     """One asynchronous local save: what the training loop snapshotted and what the background
-    thread found. ``work`` runs in the thread; ``error`` is this rank's failure text."""
+    thread found. ``work`` runs in the thread; ``error`` is this rank's failure text.
+
+    ``sources``: a deferred snapshot (:meth:`AsyncLocalWriter.wait_staged`): the snapshot thread
+    calls it for the tensors to copy into ``slot``, then ``stage_done(staged)``, before ``work``;
+    ``staged`` is set once the snapshot is taken (at once when the training loop took it)."""
 
     iteration: int
     slot: StagingSlot
     work: Callable[["AsyncJob"], None]
     payload: dict = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
+    staged: threading.Event = field(default_factory=threading.Event)
+    sources: Optional[Callable[[], List[torch.Tensor]]] = None
+    stage_done: Optional[Callable[[List[torch.Tensor]], None]] = None
     error: Optional[str] = None
     seconds: float = 0.0
+    stage_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # CPU time of the snapshot and writer threads on this job
 
 
 class LocalAsyncRequest:
@@ -253,6 +263,7 @@ class AsyncLocalWriter:
     """
 
     def __init__(self, repl_strategy: Any = None) -> None:
+        self.cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
         world = dist.get_world_size()
         self.world_group = dist.new_group(list(range(world)), backend="gloo")
         self.repl_strategy = None
@@ -272,24 +283,92 @@ class AsyncLocalWriter:
         self.waited_s = 0.0
         self.exchange: Any = None  # the state digest's exchange over world_group (the thread's)
         self._current = 0
+        self._last: Optional[AsyncJob] = None
+        self.steps = 0  # optimizer steps seen by the pre-step hook
+        self.job_cpu: List[float] = []  # CPU time of the background threads, per job
+        self.job_snapshot: List[float] = []  # wall time of each job's deferred snapshot
+        self._steps_at_save: Optional[int] = None
         self._queue: queue.Queue = queue.Queue()
+        self._stage_queue: queue.Queue = queue.Queue()
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        self._stager = threading.Thread(
+            target=self._stage_run, name="local-ckpt-stage", daemon=True
+        )
         self._thread = threading.Thread(target=self._run, name="local-ckpt-writer", daemon=True)
+        self._stager.start()
         self._thread.start()
 
+    def _before_step(self, *_: Any) -> None:
+        """Every optimizer's pre-step hook (torch's global one): the last save's snapshot is
+        taken before the step changes what it copies."""
+        self.steps += 1
+        self.wait_staged()
+
+    def wait_staged(self) -> None:
+        """Wait until the last submitted save's snapshot is taken (its device-to-host copies
+        done); called before anything may change the saved tensors: an optimizer step, a load."""
+        job = self._last
+        if job is not None and not job.staged.is_set():
+            t0 = time.perf_counter()
+            job.staged.wait()
+            self.waited_s += time.perf_counter() - t0
+        if job is not None:
+            job.slot.wait()
+
+    def defer_snapshot(self) -> bool:
+        """Whether this save's snapshot may be taken by the thread while training goes on: only
+        once the pre-step hook has been seen to run between two saves (so an optimizer step
+        waits for the snapshot: parameters and optimizer state change only in the step; forward
+        and backward write gradients, which a local checkpoint does not hold). The first save,
+        and every save of a run whose optimizer steps bypass the hook, snapshot in the loop."""
+        seen, self._steps_at_save = self._steps_at_save, self.steps
+        return seen is not None and self.steps > seen
+
+    def _stage_run(self) -> None:
+        """The snapshot thread: takes deferred snapshots in submission order (so a snapshot never
+        waits for an older save's background work), then hands each job to the writer thread."""
+        if self.cuda_device is not None:  # a new thread's current device is 0
+            torch.cuda.set_device(self.cuda_device)
+        while True:
+            job = self._stage_queue.get()
+            if job is not None and job.sources is not None:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    job.stage_done(job.slot.stage(job.sources()))
+                except BaseException as e:  # noqa: BLE001 - reported at finalization
+                    job.error = f"snapshot: {exc_text(e)}"
+                finally:
+                    job.sources = None
+                    job.stage_seconds = time.perf_counter() - t0
+                    job.cpu_seconds += time.thread_time() - c0
+                    job.staged.set()
+            self._queue.put(job)
+            if job is None:
+                return
+
     def _run(self) -> None:
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)
         while True:
             job = self._queue.get()
             if job is None:
                 return
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                job.slot.wait()
-                job.work(job)
+                if job.error is None:  # else the snapshot failed: nothing to write
+                    job.slot.wait()
+                    job.work(job)
             except BaseException as e:  # noqa: BLE001 - reported at finalization on every rank
                 job.error = job.error or f"{exc_text(e)}"
                 logger.warning("async local save of iteration %d failed", job.iteration)
             finally:
+                job.staged.set()
                 job.seconds = time.perf_counter() - t0
+                job.cpu_seconds += time.thread_time() - c0
+                self.job_cpu.append(job.cpu_seconds)
+                self.job_snapshot.append(job.stage_seconds)
                 job.payload.clear()  # release the snapshot's views
                 job.done.set()
 
@@ -328,17 +407,32 @@ class AsyncLocalWriter:
         """Queue ``job`` for the thread (jobs run one at a time, in submission order on every
         rank, so the thread's collectives match)."""
         self.slot_jobs[self._current] = job
-        self._queue.put(job)
+        self._last = job
+        if job.sources is None:
+            job.staged.set()
+        self._stage_queue.put(job)
 
     def staging_bytes(self) -> int:
         """Bytes of host memory the slots hold."""
         return sum(s.nbytes for s in self.slots)
 
     def close(self, timeout: float = 60.0) -> None:
-        """Stop the thread after the queued jobs (their requests are not finalized)."""
+        """Stop the thread after the queued jobs (their requests are not finalized); one line
+        on what the background cost: CPU time per save (the competition with training on a
+        machine whose cores training uses), the snapshot's time, and how long the training loop
+        waited for the background."""
+        self._hook.remove()
         if self._thread.is_alive():
-            self._queue.put(None)
+            self._stage_queue.put(None)
             self._thread.join(timeout)
+        if self.job_cpu:
+            rank_line(
+                LOG_PREFIX,
+                f"asynchronous local saves: {len(self.job_cpu)}; background per save (median) "
+                f"{1e3 * statistics.median(self.job_cpu):.1f} ms CPU, snapshot "
+                f"{1e3 * statistics.median(self.job_snapshot):.1f} ms; the training loop waited "
+                f"{self.waited_s:.2f} s for the background in all",
+            )
 
 
 _NONE: deque = deque()  # while the tier is not installed: nothing is pending

@@ -14,28 +14,29 @@ is the distribution computed (and the sharding validated) again.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron.training_ext.resume_proof.digest import no_torch_function
+
 __all__ = ["structure_fingerprint", "wrap_from_state_dict"]
 
 
-def _describe(sh: Any) -> tuple:
+def _describe(sh: Any, factory: type, obj: type) -> tuple:
     """What the distribution and the sharding validation read of one entry of a sharded state
     dict (its data's values excluded)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
-
     data = getattr(sh, "data", None)
-    shape = tuple(data.shape) if isinstance(data, torch.Tensor) else None
-    dtype = str(data.dtype) if isinstance(data, torch.Tensor) else None
-    if isinstance(sh, ShardedTensorFactory):
+    is_tensor = isinstance(data, torch.Tensor)
+    shape = data.shape if is_tensor else None
+    dtype = data.dtype if is_tensor else None
+    if isinstance(sh, factory):
         fn = getattr(sh, "build_fn", None)
         return ("factory", sh.key, shape, dtype, sh.replica_id, getattr(fn, "__qualname__", fn))
-    if isinstance(sh, ShardedObject):
+    if isinstance(sh, obj):
         return ("object", sh.key, sh.global_shape, sh.global_offset, sh.replica_id)
+    rng = getattr(sh, "flattened_range", None)
     return (
         type(sh).__name__,
         getattr(sh, "key", None),
@@ -46,24 +47,30 @@ def _describe(sh: Any) -> tuple:
         getattr(sh, "replica_id", None),
         getattr(sh, "axis_fragmentations", None),
         getattr(sh, "prepend_axis_num", None),
-        getattr(sh, "flattened_range", None),
+        None if rng is None else (rng.start, rng.stop, rng.step),
     )
 
 
-def structure_fingerprint(sharded_state_dict: Any) -> str:
-    """A digest (32 hex digits) of the structure of a sharded state dict: for every
-    ``ShardedBase`` entry, in the dict's order, its key, local shape and dtype, global shape and
-    offset, replica id, fragmentation and flattened range (a factory: its key, data shape and
-    dtype, replica id and build function). Equal fingerprints on every rank mean upstream's
-    sharding validation and fully parallel distribution give what they gave before."""
+def structure_fingerprint(sharded_state_dict: Any) -> tuple:
+    """The structure of a sharded state dict, as a tuple to compare on this rank (not across
+    ranks): for every ``ShardedBase`` entry, in the dict's order, its key, local shape and dtype,
+    global shape and offset, replica id, fragmentation and flattened range (a factory: its key,
+    data shape and dtype, replica id and build function). Equal fingerprints on every rank mean
+    upstream's sharding validation and fully parallel distribution give what they gave before.
+    A tuple, not a hash of its text: building the text cost ~14 us per entry (2.5 ms per save)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedBase,
+        ShardedObject,
+        ShardedTensorFactory,
+    )
 
-    h = hashlib.blake2b(digest_size=16)
-    for sh in nested_values(sharded_state_dict):
-        if isinstance(sh, ShardedBase):
-            h.update(repr(_describe(sh)).encode())
-    return h.hexdigest()
+    with no_torch_function():  # reads only: the CPU backend's mode costs per attribute read
+        return tuple(
+            _describe(sh, ShardedTensorFactory, ShardedObject)
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedBase)
+        )
 
 
 def wrap_from_state_dict(upstream: Any) -> Any:

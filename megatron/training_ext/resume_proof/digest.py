@@ -391,15 +391,19 @@ def _add_plain_optimizer(opt: Any, part_map: Dict[int, Any], acc: PartialDigest)
             continue
         states = {"param": main}
         states.update(opt.optimizer.state.get(main, {}))
+        parts = [  # the same blocks for every state of the parameter
+            (part, off, None if off is None else _place(part)) for part, off in _blocks(sh, sh.data)
+        ]
         for state_name, value in _state_tensors(states):
-            for part, off in _blocks(sh, sh.data):
+            flat_value = value.reshape(-1)
+            for part, off, place in parts:
                 key = f"optimizer.state.{state_name}.{part.key}"
                 if off is None:
                     acc.skipped.append(key)
                     continue
-                lshape, goff, gshape = _place(part)
+                lshape, goff, gshape = place
                 n = part.data.numel()
-                flat = value.reshape(-1)[off : off + n]
+                flat = flat_value[off : off + n]
                 v = acc.range_sum(
                     part.data, 0, n, lshape, goff, gshape, flat, main=is_main, replicated=True
                 )

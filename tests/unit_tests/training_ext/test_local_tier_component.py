@@ -21,7 +21,7 @@ def _args(**kw):
 
 def test_the_component_is_the_entry_point_and_enabled_by_local_checkpoints():
     assert isinstance(COMPONENT, LocalTier) and COMPONENT.name == "local_tier"
-    assert local_tier.PATCHES == LocalTier.patches and len(LocalTier.patches) == 7
+    assert local_tier.PATCHES == LocalTier.patches and len(LocalTier.patches) == 8
     assert COMPONENT.enabled(_args())
     assert not COMPONENT.enabled(_args(non_persistent_ckpt_type=None))
     assert not COMPONENT.enabled(_args(local_tier_validation=False))
