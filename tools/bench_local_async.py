@@ -22,7 +22,8 @@ turn), so load on the machine affects all variants alike. Columns:
                   run without checkpoints
   per iteration   share / K for a save every K iterations
   background CPU  asynchronous saves: the CPU time of the background threads per save (median
-                  over the run's saves, largest rank; the end-of-run line of the local tier),
+                  over the run's saves but the first, which compiles the digest's kernels;
+                  largest rank; the end-of-run line of the local tier),
                   which competes with training for the cores
   peak RSS MB     the ranks' peak resident memory (``VmHWM``), largest rank
 
@@ -70,7 +71,9 @@ ITER = re.compile(
 )
 DONE = re.compile(r"\[after training is done\] datetime: ([\d-]+ [\d:.]+)")
 RSS = re.compile(r"\[bench-rss\] rank (\d+) (\d+) kB")
-BG = re.compile(r"asynchronous local saves: \d+; background per save \(median\) ([\d.]+) ms CPU")
+BG = re.compile(
+    r"asynchronous local saves: \d+; background per save \(median[^)]*\) ([\d.]+) ms CPU"
+)
 
 
 def _rank_entry(argv: list[str]) -> None:
