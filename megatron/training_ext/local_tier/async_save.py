@@ -1,6 +1,7 @@
 """Asynchronous local saves (``--async-save`` with ``--non-persistent-ckpt-type local``): the
-training loop waits only for a snapshot of the state into reusable staging buffers; checks,
-checksums, the state digest, replication and the write run in a background thread.
+snapshot of the state into reusable staging buffers is taken by a snapshot thread while the next
+iteration's forward and backward run (every optimizer step waits for it: torch's global pre-step
+hook); checks, checksums, the state digest, replication and the write run in a writer thread.
 
 Upstream hands a local save request to the persistent checkpoint worker, which cannot take it
 (NVRx's request holds a process group: ``TypeError`` at the first save). Here the request never
