@@ -39,6 +39,10 @@ if [ "$quick" = 1 ]; then
   exec .venv/bin/python -m pytest tests/unit_tests tests/functional_tests/test_readme_commands.py \
     -m "not cluster and (not slow or quick)" -p no:cacheprovider "$@"
 fi
+# Two pytest-xdist workers, a test file per worker at a time (module fixtures stay in one process):
+# the launches wait more than they compute, so two files at once use the 2 cores a serial run
+# leaves two-thirds idle. MEGATRON_TEST_WORKERS=0 runs serially.
+workers=(-n "${MEGATRON_TEST_WORKERS:-2}" --dist loadfile)
 compat_lane() {
   # the same tests on upstream main: unit tests that launch nothing, and functional tests marked
   # compat (tests an upstream defect breaks there are strict xfails: marker upstream_defect)
@@ -51,7 +55,8 @@ compat_lane() {
   [ "$rc" = 0 ] || return "$rc"
   echo "compatibility lane: $(.venv-upstream-main/bin/python -c 'import importlib.metadata as m; print("megatron-core", m.version("megatron-core"))' 2>/dev/null) (upstream main)"
   .venv-upstream-main/bin/python -m pytest tests/unit_tests tests/functional_tests \
-    -m "not cluster and not integration and not sweep and ((not slow) or compat)" -p no:cacheprovider "$@"
+    -m "not cluster and not integration and not sweep and ((not slow) or compat)" -p no:cacheprovider \
+    "${workers[@]}" "$@"
 }
 if [ "$compat_only" = 1 ]; then
   compat_lane "$@"
@@ -60,7 +65,8 @@ fi
 if [ "${MEGATRON_INTEGRATION_TESTS:-0}" != 1 ]; then
   # default (CI): without the integration tests (container install step, local SLURM cluster)
   rc=0
-  .venv/bin/python -m pytest $where -m "not cluster and not integration and not sweep" -p no:cacheprovider "$@" || rc=$?
+  .venv/bin/python -m pytest $where -m "not cluster and not integration and not sweep" -p no:cacheprovider \
+    "${workers[@]}" "$@" || rc=$?
   if [ "$rc" = 0 ] && [ -n "$where" ] && [ "${MEGATRON_SKIP_COMPAT:-0}" != 1 ]; then
     compat_lane "$@" || rc=$?
   fi

@@ -8,6 +8,7 @@ The launch budget: the session fails when it started more real launcher processe
 """
 
 import collections
+import json
 import os
 import sys
 
@@ -47,11 +48,27 @@ def pytest_collection_modifyitems(config, items):
             )
 
 
+#: Launches counted by pytest-xdist workers (``-n``), gathered by the controller.
+_FROM_WORKERS: tuple[list, list] = ([], [])
+
+
 def _launch_counts():
     launch = sys.modules.get("tests.helpers.launch")
-    if launch is None:
+    if launch is None and not any(_FROM_WORKERS):
         return None
-    return launch.REAL_LAUNCHES, launch.FORKED_LAUNCHES
+    real = [*_FROM_WORKERS[0], *(launch.REAL_LAUNCHES if launch else [])]
+    forked = [*_FROM_WORKERS[1], *(launch.FORKED_LAUNCHES if launch else [])]
+    return real, forked
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, controller: a worker's launch counts join the session's."""
+    data = getattr(node, "workeroutput", {}).get("launches")
+    if data:
+        real, forked = json.loads(data)
+        _FROM_WORKERS[0].extend(tuple(r) for r in real)
+        _FROM_WORKERS[1].extend(forked)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -79,6 +96,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller counts and reports
+        launch = sys.modules.get("tests.helpers.launch")
+        if launch is not None:
+            workeroutput["launches"] = json.dumps([launch.REAL_LAUNCHES, launch.FORKED_LAUNCHES])
+        return
     counts = _launch_counts()
     if counts is not None and len(counts[0]) > REAL_LAUNCH_BUDGET and exitstatus == 0:
         session.exitstatus = 1
