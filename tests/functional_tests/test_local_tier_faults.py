@@ -259,7 +259,12 @@ def _sequence(path: Path) -> list[int]:
     return [json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "ft_launcher"])
+@pytest.mark.parametrize(
+    "launcher",
+    # the requeue through torchrun repeats the ft_launcher case's recovery with another launcher:
+    # sweep lane (85 s under the default lane's two workers)
+    [pytest.param("torchrun", marks=pytest.mark.sweep), "ft_launcher"],
+)
 def test_two_nodes_lost_node_recovers_from_replica_bitwise(tmp_path, straight, launcher):
     """``torchrun``: node B is lost, node A's agent fails, both agents are started again (a
     requeue). ``ft_launcher``: node A's agent restarts its worker in the job (``--max-restarts
