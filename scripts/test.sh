@@ -39,10 +39,11 @@ if [ "$quick" = 1 ]; then
   exec .venv/bin/python -m pytest tests/unit_tests tests/functional_tests/test_readme_commands.py \
     -m "not cluster and (not slow or quick)" -p no:cacheprovider "$@"
 fi
-# Two pytest-xdist workers, a test file per worker at a time (module fixtures stay in one process):
-# the launches wait more than they compute, so two files at once use the 2 cores a serial run
-# leaves two-thirds idle. MEGATRON_TEST_WORKERS=0 runs serially.
-workers=(-n "${MEGATRON_TEST_WORKERS:-2}" --dist loadfile)
+# MEGATRON_TEST_WORKERS=N: N pytest-xdist workers, one test file per worker at a time (module
+# fixtures stay in one process), for machines with cores to spare; default 0 (serial): on the
+# 2-core machine two workers took 15:11 once and 19:38 once for a default lane of 16:23 serial
+# (docs/tests.md).
+workers=(-n "${MEGATRON_TEST_WORKERS:-0}" --dist loadfile)
 compat_lane() {
   # the same tests on upstream main: unit tests that launch nothing, and functional tests marked
   # compat (tests an upstream defect breaks there are strict xfails: marker upstream_defect)
