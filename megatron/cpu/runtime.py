@@ -125,12 +125,15 @@ def _discard_host(host: dict, t: torch.Tensor) -> None:
 #: this very object, so that ``torch.rand(..., device=t.device)`` is known to target the "GPU".
 GPU_DEVICE = torch.device("cpu")
 _DEVICE_GETTER = type(torch.Tensor.device.__get__)
-_DEVICE_DESCRIPTOR = torch.Tensor.__dict__.get("device") or torch._C.TensorBase.__dict__["device"]
-_TO_HOST = frozenset((_T.cpu, _T.to))
 
 
 def _getset(name: str) -> Any:
+    """The descriptor of a ``Tensor`` attribute (``Tensor``'s own, else ``TensorBase``'s)."""
     return torch.Tensor.__dict__.get(name) or torch._C.TensorBase.__dict__[name]
+
+
+_DEVICE_DESCRIPTOR = _getset("device")
+_TO_HOST = frozenset((_T.cpu, _T.to))
 
 
 #: Attribute reads and calls that neither take a device nor return a tensor: the mode would only

@@ -81,19 +81,27 @@ def storage_records(source: Union[str, os.PathLike, IO[bytes]]) -> List[StorageR
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"storage record {info.filename} is compressed")
-            f.seek(info.header_offset)
-            head = f.read(_LOCAL_HEADER_LEN)
-            if len(head) != _LOCAL_HEADER_LEN or head[:4] != _LOCAL_HEADER:
-                raise ValueError(
-                    f"storage record {info.filename}: no local header at {info.header_offset}"
-                )
-            name_len, extra_len = struct.unpack("<HH", head[26:30])
-            data = info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
+            data = _data_offset(f, info, "storage record ")
             out.append(StorageRecord(info.filename, data, info.file_size))
         return out
     finally:
         if owned:
             f.close()
+
+
+def _data_offset(f: IO[bytes], info: zipfile.ZipInfo, what: str = "") -> int:
+    """Byte offset in ``f`` of the data of record ``info``: its local header's offset + 30 + name
+    length + extra length.
+
+    Raises:
+        ValueError: no local header where the directory says (``what`` prefixes the name).
+    """
+    f.seek(info.header_offset)
+    head = f.read(_LOCAL_HEADER_LEN)
+    if len(head) != _LOCAL_HEADER_LEN or head[:4] != _LOCAL_HEADER:
+        raise ValueError(f"{what}{info.filename}: no local header at {info.header_offset}")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len
 
 
 def tensor_file_ranges(
@@ -291,12 +299,7 @@ def set_pickle_crc(f: IO[bytes]) -> None:
     if not infos:
         raise ValueError("not a torch.save archive: no data.pkl")
     info = infos[0]
-    f.seek(info.header_offset)
-    head = f.read(_LOCAL_HEADER_LEN)
-    if len(head) != _LOCAL_HEADER_LEN or head[:4] != _LOCAL_HEADER:
-        raise ValueError(f"{info.filename}: no local header at {info.header_offset}")
-    name_len, extra_len = struct.unpack("<HH", head[26:30])
-    f.seek(info.header_offset + _LOCAL_HEADER_LEN + name_len + extra_len)
+    f.seek(_data_offset(f, info))
     crc = struct.pack("<I", zlib.crc32(f.read(info.compress_size)))
     pos = zf.start_dir
     while True:

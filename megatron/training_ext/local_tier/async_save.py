@@ -50,6 +50,10 @@ __all__ = [
 ]
 
 
+#: Per-save samples kept for the end-of-run line (the most recent ones).
+_SAMPLES = 4096
+
+
 class StagingSlot:
     """Reusable host buffers holding one snapshot: one byte buffer per distinct storage (so
     views of one storage, e.g. the digest's pieces of a parameter and the state dict's tensor,
@@ -286,8 +290,12 @@ class AsyncLocalWriter:
         self._current = 0
         self._last: Optional[AsyncJob] = None
         self.steps = 0  # optimizer steps seen by the pre-step hook
-        self.job_cpu: List[float] = []  # CPU time of the background threads, per job
-        self.job_snapshot: List[float] = []  # wall time of each job's deferred snapshot
+        # per job but the first, the last _SAMPLES: CPU time of the background threads, and wall
+        # time of the deferred snapshot (a run saving every iteration for days stays bounded)
+        self.jobs_done = 0
+        self.first_sample = (0.0, 0.0)
+        self.job_cpu: deque = deque(maxlen=_SAMPLES)
+        self.job_snapshot: deque = deque(maxlen=_SAMPLES)
         self._steps_at_save: Optional[int] = None
         self._queue: queue.Queue = queue.Queue()
         self._stage_queue: queue.Queue = queue.Queue()
@@ -365,11 +373,14 @@ class AsyncLocalWriter:
                 job.error = job.error or f"{exc_text(e)}"
                 logger.warning("async local save of iteration %d failed", job.iteration)
             finally:
-                job.staged.set()
                 job.seconds = time.perf_counter() - t0
                 job.cpu_seconds += time.thread_time() - c0
-                self.job_cpu.append(job.cpu_seconds)
-                self.job_snapshot.append(job.stage_seconds)
+                self.jobs_done += 1
+                if self.jobs_done == 1:  # it also loads the digest's compiled kernels
+                    self.first_sample = (job.cpu_seconds, job.stage_seconds)
+                else:
+                    self.job_cpu.append(job.cpu_seconds)
+                    self.job_snapshot.append(job.stage_seconds)
                 job.payload.clear()  # release the snapshot's views
                 job.done.set()
 
@@ -426,13 +437,14 @@ class AsyncLocalWriter:
         if self._thread.is_alive():
             self._stage_queue.put(None)
             self._thread.join(timeout)
-        if self.job_cpu:
-            later = slice(1 if len(self.job_cpu) > 1 else 0, None)  # the first compiles kernels
+        if self.jobs_done:
+            cpu = self.job_cpu or [self.first_sample[0]]  # one save: the first's figures
+            snap = self.job_snapshot or [self.first_sample[1]]
             rank_line(
                 LOG_PREFIX,
-                f"asynchronous local saves: {len(self.job_cpu)}; background per save (median, "
-                f"the first save apart) {1e3 * statistics.median(self.job_cpu[later]):.1f} ms "
-                f"CPU, snapshot {1e3 * statistics.median(self.job_snapshot[later]):.1f} ms; the "
+                f"asynchronous local saves: {self.jobs_done}; background per save (median, "
+                f"the first save apart) {1e3 * statistics.median(cpu):.1f} ms "
+                f"CPU, snapshot {1e3 * statistics.median(snap):.1f} ms; the "
                 f"training loop waited {self.waited_s:.2f} s for the background in all",
             )
 
