@@ -173,6 +173,7 @@ def assign_digest(digest: Any, saved: List[Any]) -> tuple:
     """
     from megatron.training_ext.resume_proof.digest import no_torch_function, storage_range
 
+    digest.record()  # a lazy deferred digest records its blocks now
     index = {id(sh): i for i, sh in enumerate(saved)}
     by_storage: dict = {}
     for r in digest.shards or ():

@@ -278,7 +278,10 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
             stage_done(slot.stage(sources()))
         t3 = time.perf_counter()
         state_dict.pop_tensors()
-        payload["hollow"] = pickle.dumps(state_dict, protocol=pickle.HIGHEST_PROTOCOL)
+        # the common state holds live objects (``args``, whose sample counters training moves on):
+        # pickled now; the hollow's ShardedTensors are this save's own (upstream drops them)
+        payload["common"] = pickle.dumps(state_dict.common, protocol=pickle.HIGHEST_PROTOCOL)
+        payload["hollow"] = state_dict
         job = async_save.AsyncJob(iteration, slot, self._write_async, payload=payload)
         if deferred:  # taken by the snapshot thread; the next optimizer step waits for it
             job.sources, job.stage_done = sources, stage_done
@@ -309,7 +312,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         writer = p["writer"]
         marks = [("start", time.perf_counter() - job.stage_seconds, 0.0)]
         marks.append(("snapshot", time.perf_counter(), time.thread_time()))
-        state_dict = pickle.loads(p["hollow"])
+        state_dict = p["hollow"]
+        state_dict.common = pickle.loads(p["common"])
         state_dict.insert_tensors(p["tensors"])
         if p["digest"] is not None:
             if getattr(writer, "exchange", None) is None:

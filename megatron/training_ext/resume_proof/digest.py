@@ -197,6 +197,52 @@ class DeferredDigest(PartialDigest):
     share: Optional[tuple] = None  # (rng, scalars, error) of :func:`deferred_training_state`
     args: Any = None
     shards: Optional[List[ShardRegion]] = None  # of the save's state dict (the save sets them)
+    #: ``(model, optimizer)`` whose blocks :meth:`record` records (a lazy deferred digest)
+    sources: Optional[tuple] = None
+    #: copies of upstream's model ShardedTensors / factories of the save
+    #: (:meth:`capture_model`); ``None``: :meth:`record` asks the model for them
+    model_shs: Optional[List[Any]] = None
+
+    def capture_model(self, state_dict: Dict[str, Any]) -> None:
+        """Keep shallow copies of the model ShardedTensors and factories of upstream's save state
+        dict (``generate_state_dict``'s, before upstream's distribution drops the data of the
+        shards other ranks save), so that :meth:`record` need not ask the model again: the same
+        call with the same metadata gave them (``torch_dist`` only; else nothing is kept)."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        if self.sources is None or getattr(self.args, "ckpt_format", None) != "torch_dist":
+            return
+        chunks = len(self.sources[0])
+        keys = ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
+        if not all(isinstance(state_dict.get(k), dict) for k in keys):
+            return
+        kinds = (ShardedTensor, ShardedTensorFactory)
+        self.model_shs = [
+            _shallow_copy(v)
+            for k in keys
+            for v in nested_values(state_dict[k])
+            if isinstance(v, kinds)
+        ]
+
+    def record(self) -> None:
+        """Record the sums of this rank's blocks (a lazy deferred digest, once; a no-op
+        otherwise). Reads the model's and optimizer's structure, no tensor values: it may run
+        in another thread while the training loop's forward and backward run (not while an
+        optimizer step changes the optimizer's state). A failure is kept as this rank's error
+        (exchanged by :func:`finish_deferred`), not raised."""
+        if self.sources is None:
+            return
+        (model, optimizer), self.sources = self.sources, None
+        try:
+            _add_tensors(model, optimizer, self.args, self, shs=self.model_shs)
+        except Exception as e:  # noqa: BLE001 - e.g. a tensor type the digest cannot read
+            rng, scalars, error = self.share
+            if error is None:
+                error = f"rank {process_rank()}: {type(e).__name__}: {e}"
+            self.share = (rng, scalars, error)
+        finally:
+            self.model_shs = None
 
     def block_sum(self, data, goff, gshape, main: bool = True, replicated: bool = False) -> Any:
         return _Sum(sd.block_sum, data, (goff, gshape), main=main, replicated=replicated)
@@ -215,7 +261,8 @@ class DeferredDigest(PartialDigest):
 
     def tensors(self) -> List[torch.Tensor]:
         """The tensors the recorded sums read, in order (one per sum: ``values`` if given, else
-        ``data``)."""
+        ``data``); records them first (:meth:`record`)."""
+        self.record()
         return [s.read() for _, s in self.recorded]
 
     def bind(self, tensors: List[torch.Tensor]) -> None:
@@ -235,6 +282,13 @@ class DeferredDigest(PartialDigest):
             for key, s in self.recorded:
                 self.sums[key] = (self.sums.get(key, 0) + s()) & _MASK
         self.recorded = []
+
+
+def _shallow_copy(obj: Any) -> Any:
+    """A shallow copy of a dataclass instance (its ``__dict__``; ``copy.copy`` costs ~5x)."""
+    out = object.__new__(type(obj))
+    out.__dict__.update(obj.__dict__)
+    return out
 
 
 def _sharded_metadata(model: List[Any], args: Any) -> List[Any]:
@@ -457,6 +511,12 @@ def _optimizer_steps(optimizer: Any) -> List[float]:
     param groups without advancing it (megatron-core stores the per-parameter step there at
     save); it is not training state and is not digested."""
     steps = set()
+    with no_torch_function():  # reads only: the CPU backend's mode costs ~2 us per call
+        _collect_steps(optimizer, steps)
+    return sorted(steps)
+
+
+def _collect_steps(optimizer: Any, steps: set) -> None:
     for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
@@ -469,7 +529,6 @@ def _optimizer_steps(optimizer: Any) -> List[float]:
         if not own:
             own = {float(g["step"]) for g in inner.param_groups if "step" in g}
         steps |= own
-    return sorted(steps)
 
 
 def _rng_digest() -> Dict[str, str]:
@@ -527,14 +586,18 @@ def no_torch_function():
     return switch() if switch is not None else contextlib.nullcontext()
 
 
-def _add_tensors(model: List[Any], optimizer: Any, args: Any, acc: PartialDigest) -> None:
+def _add_tensors(
+    model: List[Any], optimizer: Any, args: Any, acc: PartialDigest, shs: Optional[List[Any]] = None
+) -> None:
     """Add this rank's blocks of the model and optimizer state to ``acc`` (local work, except
-    Megatron-FSDP's chunk metadata under ``fsdp_dtensor``)."""
+    Megatron-FSDP's chunk metadata under ``fsdp_dtensor``). ``shs``: the model's ShardedTensors
+    and factories when the caller has them (upstream's save state dict), else they are built."""
     with torch.no_grad():
         if getattr(args, "ckpt_format", None) == "fsdp_dtensor":
             _add_fsdp(model, optimizer, args, acc)
             return
-        shs = _sharded_metadata(model, args)
+        if shs is None:
+            shs = _sharded_metadata(model, args)
         part_map = _by_param(shs)
         with no_torch_function():  # reads only: ~5x fewer microseconds per tensor
             _add_model(shs, acc)
@@ -552,10 +615,12 @@ def _local_share(
     args: Any,
     iteration: int,
     acc: Optional[PartialDigest] = None,
+    lazy: bool = False,
 ) -> Share:
     """This rank's share of the digest (see :meth:`DigestExchange.exchange`); a failure is carried
     in it as text, so that no rank is left alone in the exchange's collective. ``acc``: where the
-    sums go (a :class:`DeferredDigest` records them)."""
+    sums go (a :class:`DeferredDigest` records them; ``lazy``: later, :meth:`DeferredDigest.record`
+    records them)."""
     from megatron.core.utils import unwrap_model
 
     error = None
@@ -565,7 +630,10 @@ def _local_share(
     try:  # local work only: a failure is exchanged, so no rank is left in a collective
         rng = _rng_digest()  # first: nothing below may draw from a stream before it is recorded
         model = unwrap_model(model)  # as upstream's save_checkpoint / load_checkpoint do
-        _add_tensors(model, optimizer, args, acc)
+        if lazy:
+            acc.sources = (model, optimizer)
+        else:
+            _add_tensors(model, optimizer, args, acc)
         scalars = {
             "iteration": int(iteration),
             "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
@@ -621,6 +689,7 @@ def deferred_training_state(
     args: Any,
     iteration: int,
     all_replicas: bool = False,
+    lazy: bool = False,
 ) -> Optional[DeferredDigest]:
     """This rank's share of the state digest with its sums recorded, not computed (no
     collective): the RNG digests and scalars are taken now; the tensors the sums read are
@@ -631,13 +700,18 @@ def deferred_training_state(
     ``all_replicas``: the blocks of every replica this rank holds are recorded, each marked
     main or not (``_Sum.main``); the caller must then :meth:`~DeferredDigest.keep` exactly one
     replica's sum of every block over all ranks (the local tier keeps the saving rank's), or
-    only the main ones."""
+    only the main ones.
+
+    ``lazy``: the blocks are recorded later, by :meth:`DeferredDigest.record` (the first of
+    :meth:`~DeferredDigest.tensors` and :func:`finish_deferred` calls it), from the model
+    ShardedTensors of the save's state dict when :meth:`~DeferredDigest.capture_model` kept
+    them: the training loop then pays only for the RNG digests and the scalars."""
     if getattr(args, "ckpt_format", None) == "fsdp_dtensor":
         return None
     acc = DeferredDigest(all_replicas=all_replicas)
-    mine = _local_share(model, optimizer, opt_param_scheduler, args, iteration, acc=acc)
-    acc.share = (mine[3], mine[4], mine[5])
     acc.args = args
+    mine = _local_share(model, optimizer, opt_param_scheduler, args, iteration, acc=acc, lazy=lazy)
+    acc.share = (mine[3], mine[4], mine[5])
     acc.iteration = int(iteration)
     return acc
 
@@ -650,6 +724,7 @@ def finish_deferred(deferred: DeferredDigest, exchange: DigestExchange) -> dict:
         DigestUnavailable: as :func:`digest_training_state`.
     """
     t0 = time.perf_counter()
+    deferred.record()
     error = deferred.share[2]
     if error is None:
         try:

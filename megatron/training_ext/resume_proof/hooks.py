@@ -141,7 +141,7 @@ def _wrap_save_checkpoint(orig):
         try:
             if _async_local_save(args, ba.arguments):  # digested from the snapshot, off the loop
                 st.pending = None
-                st.deferred = deferred_training_state(*parts, all_replicas=True)
+                st.deferred = deferred_training_state(*parts, all_replicas=True, lazy=True)
             if st.deferred is None:
                 st.pending = digest_training_state(*parts, exchange=st.exchange)
         except (
@@ -218,6 +218,7 @@ def _wrap_generate_state_dict(orig):
         deferred = None if st is None else getattr(st, "deferred", None)
         if deferred is not None and isinstance(state_dict, dict):
             deferred.shards = _shards_of(state_dict)
+            deferred.capture_model(state_dict)  # its blocks are recorded off the training loop
         if st is not None and st.pending is not None and isinstance(state_dict, dict):
             # without this rank's ``seconds``: the common state must be equal on every rank
             # (upstream's validation warns when it is not)

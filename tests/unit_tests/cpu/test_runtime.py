@@ -96,3 +96,59 @@ def test_guard_without_runtime_cuda_calls_fail():
         pytest.skip("a GPU is present")
     out = run_python(GUARD, timeout=300)
     assert "FAILS" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+METADATA = textwrap.dedent(
+    """
+    import torch
+    from megatron.core.dist_checkpointing import mapping
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing import optimizer as optim_ckpt
+    from megatron.cpu import runtime
+    from megatron.cpu.runtime import CudaToCpuMode
+
+    calls = []
+    upstream_tf = CudaToCpuMode.__torch_function__
+    def counting(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return upstream_tf(self, func, types, args, kwargs)
+    CudaToCpuMode.__torch_function__ = counting
+    if PATCHED:
+        runtime.activate()
+    else:  # the mode alone, as the backend enters it, without the backend's patches
+        CudaToCpuMode().__enter__()
+
+    w = torch.randn(4, 6).cuda()
+    exp_avg = torch.zeros(4, 6).cuda()
+    calls.clear()
+    sh = mapping.ShardedTensor.from_rank_offsets("w", w, (0, 1, 2), replica_id=(0, 0, 0))
+    opt = optim_ckpt.make_sharded_optimizer_tensor(sh, exp_avg, "optimizer.state.exp_avg")
+    built = len(calls)
+    assert type(sh) is mapping.ShardedTensor and sh.global_shape == (8, 6)  # a classmethod still
+    assert sh.global_offset == (4, 0) and sh.data is w
+    assert opt.key == "optimizer.state.exp_avg.w" and opt.data is exp_avg
+    # upstream's validation still runs and still rejects what it rejected
+    try:
+        mapping.ShardedTensor("x", torch.zeros(3).cuda(), torch.float16, (3,), (3,), (0,), None)
+        print("NOT REJECTED")
+    except CheckpointingException:
+        pass
+    print("MODE CALLS", built)
+    """
+)
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["backend", "guard-mode-alone"])
+def test_checkpoint_metadata_is_built_without_the_mode(patched):
+    """The CPU backend runs upstream's ShardedTensor metadata helpers (validation, the rank-offset
+    constructor, the optimizer's ShardedTensors) without its torch function mode: the same
+    metadata, the same validation, no call through the mode. Guard: with the mode alone, the
+    same helpers call through it (so the count can fail)."""
+    out = run_python(f"PATCHED = {patched}\n" + METADATA, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "NOT REJECTED" not in out.stdout
+    calls = int(out.stdout.split("MODE CALLS")[-1].split()[0])
+    if patched:
+        assert calls == 0, out.stdout
+    else:
+        assert calls > 5, out.stdout

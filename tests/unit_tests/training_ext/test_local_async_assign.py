@@ -107,3 +107,51 @@ def test_a_per_rank_range_inside_a_shard_another_rank_saves_is_summed_by_its_own
         "optimizer",
     )
     assert acc.sums == want.sums
+
+
+def test_a_lazy_deferred_digest_records_the_shards_as_generate_state_dict_built_them():
+    """The asynchronous save's digest records its blocks off the training loop, from copies of
+    upstream's model ShardedTensors taken when ``generate_state_dict`` returned: upstream's
+    distribution then drops the data of the shards other ranks save (``data = None``), and the
+    digest still sums every block. Guard: the originals, once dropped, cannot be digested."""
+    import types
+
+    import pytest
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from megatron.training_ext.resume_proof.digest import _add_model
+
+    torch.manual_seed(0)
+    values = {"a": torch.randn(4, 8), "b": torch.randn(16)}
+    state_dict = {"model": {k: _sharded(k, t, dp=0) for k, t in values.items()}, "iteration": 3}
+    reference = PartialDigest()
+    _add_model(list(nested_values(state_dict["model"])), reference)
+
+    lazy = DeferredDigest(all_replicas=True)
+    lazy.args = types.SimpleNamespace(ckpt_format="torch_dist")
+    lazy.sources = ([object()], None)  # one model chunk, no optimizer
+    lazy.share = ({}, {}, None)
+    lazy.capture_model(state_dict)
+    for sh in nested_values(state_dict["model"]):  # upstream's _remove_redundant_data
+        sh.data = None
+    lazy.record()
+    assert lazy.share[2] is None and lazy.sources is None
+    lazy.evaluate()
+    assert lazy.sums == reference.sums and len(reference.sums) == 2
+
+    with pytest.raises(AttributeError):  # guard: the dropped originals
+        _add_model(list(nested_values(state_dict["model"])), PartialDigest())
+
+
+def test_a_lazy_deferred_digest_reports_a_failure_as_its_share_error():
+    """A failure while recording (here: a model chunk without ``sharded_state_dict``, nothing
+    captured) becomes this rank's error in the exchanged share, not an exception in a thread."""
+    import types
+
+    lazy = DeferredDigest(all_replicas=True)
+    lazy.args = types.SimpleNamespace(ckpt_format="torch_dist")
+    lazy.sources = ([object()], None)
+    lazy.share = ({"torch": "0"}, {"iteration": 3}, None)
+    assert lazy.tensors() == []
+    assert lazy.share[:2] == ({"torch": "0"}, {"iteration": 3})
+    assert "AttributeError" in lazy.share[2]
