@@ -241,6 +241,7 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         next iteration's forward and backward run; not while the state dict holds a tensor
         subclass (a quantized weight)."""
         from megatron.training_ext.local_tier import async_save
+        from megatron.training_ext.resume_proof.digest import no_torch_function
         from megatron.training_ext.resume_proof.hooks import take_deferred_digest
 
         t0 = time.perf_counter()
@@ -277,7 +278,8 @@ class ValidatedLocalCheckpointManager(LocalCheckpointManager):
         if not deferred:
             stage_done(slot.stage(sources()))
         t3 = time.perf_counter()
-        state_dict.pop_tensors()
+        with no_torch_function():  # moves references: the CPU backend's mode costs per call
+            state_dict.pop_tensors()
         # the common state holds live objects (``args``, whose sample counters training moves on):
         # pickled now; the hollow's ShardedTensors are this save's own (upstream drops them)
         payload["common"] = pickle.dumps(state_dict.common, protocol=pickle.HIGHEST_PROTOCOL)

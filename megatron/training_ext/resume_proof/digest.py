@@ -34,7 +34,9 @@ __all__ = [
     "deferred_training_state",
     "digest_training_state",
     "no_torch_function",
+    "regions_of",
     "shard_regions",
+    "shard_sources",
     "storage_range",
 ]
 
@@ -164,25 +166,38 @@ def storage_range(t: Any) -> Optional[tuple]:
     return key, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
-def shard_regions(sharded_state_dict: Any) -> List[ShardRegion]:
-    """The :class:`ShardRegion` of every contiguous ``ShardedTensor`` with data in a sharded
-    state dict, in its order; only those with megatron-core's ``(PP, TP, DP)`` replica id (any
-    other, and factories, are left out: the blocks inside them go to their main replica)."""
+def shard_sources(sharded_state_dict: Any) -> List[Tuple[Any, Any]]:
+    """``(ShardedTensor, its data)`` of every ``ShardedTensor`` of a sharded state dict, in its
+    order: what :func:`regions_of` reads, kept before upstream's distribution drops the data of
+    the shards other ranks save (``data = None``)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    return [
+        (sh, sh.data) for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)
+    ]
+
+
+def regions_of(sources: List[Tuple[Any, Any]]) -> List[ShardRegion]:
+    """The :class:`ShardRegion` of every contiguous ``ShardedTensor`` with data among
+    ``sources`` (:func:`shard_sources`), in order; only those with megatron-core's
+    ``(PP, TP, DP)`` replica id (any other, and factories, are left out: the blocks inside them go
+    to their main replica)."""
     out = []
-    with no_torch_function():  # reads only: the CPU backend's mode costs ~50 us per call
-        for sh in nested_values(sharded_state_dict):
-            if not isinstance(sh, ShardedTensor):
-                continue
-            where = storage_range(sh.data)
+    with no_torch_function():  # reads only: the CPU backend's mode costs ~2 us per call
+        for sh, data in sources:
+            where = storage_range(data)
             ids = sh.replica_id
             if where is None or not (isinstance(ids, tuple) and len(ids) == 3):
                 continue
             main = ids[0] == 0 and ids[1] == 0
             out.append(ShardRegion(sh, where[0], where[1], where[2], main))
     return out
+
+
+def shard_regions(sharded_state_dict: Any) -> List[ShardRegion]:
+    """:func:`regions_of` the :func:`shard_sources` of a sharded state dict."""
+    return regions_of(shard_sources(sharded_state_dict))
 
 
 @dataclass
@@ -197,6 +212,8 @@ class DeferredDigest(PartialDigest):
     share: Optional[tuple] = None  # (rng, scalars, error) of :func:`deferred_training_state`
     args: Any = None
     shards: Optional[List[ShardRegion]] = None  # of the save's state dict (the save sets them)
+    #: :func:`shard_sources` of the save's state dict, made :attr:`shards` by :meth:`record`
+    shard_sources: Optional[List[Tuple[Any, Any]]] = None
     #: ``(model, optimizer)`` whose blocks :meth:`record` records (a lazy deferred digest)
     sources: Optional[tuple] = None
     #: copies of upstream's model ShardedTensors / factories of the save
@@ -230,7 +247,10 @@ class DeferredDigest(PartialDigest):
         otherwise). Reads the model's and optimizer's structure, no tensor values: it may run
         in another thread while the training loop's forward and backward run (not while an
         optimizer step changes the optimizer's state). A failure is kept as this rank's error
-        (exchanged by :func:`finish_deferred`), not raised."""
+        (exchanged by :func:`finish_deferred`), not raised. Also makes :attr:`shards` of
+        :attr:`shard_sources`."""
+        if self.shard_sources is not None:
+            self.shards, self.shard_sources = regions_of(self.shard_sources), None
         if self.sources is None:
             return
         (model, optimizer), self.sources = self.sources, None

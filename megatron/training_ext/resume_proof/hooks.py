@@ -25,7 +25,7 @@ from megatron.training_ext.resume_proof.compare import compare, grouped
 from megatron.training_ext.resume_proof.digest import (
     deferred_training_state,
     digest_training_state,
-    shard_regions,
+    shard_sources,
 )
 from megatron.training_ext.resume_proof.exchange import DigestUnavailable
 
@@ -217,7 +217,7 @@ def _wrap_generate_state_dict(orig):
         st = proof_state()
         deferred = None if st is None else getattr(st, "deferred", None)
         if deferred is not None and isinstance(state_dict, dict):
-            deferred.shards = _shards_of(state_dict)
+            deferred.shard_sources = _shards_of(state_dict)
             deferred.capture_model(state_dict)  # its blocks are recorded off the training loop
         if st is not None and st.pending is not None and isinstance(state_dict, dict):
             # without this rank's ``seconds``: the common state must be equal on every rank
@@ -231,14 +231,14 @@ def _wrap_generate_state_dict(orig):
 
 
 def _shards_of(state_dict: dict) -> list:
-    """Where the shards of an asynchronous local save's state dict lie
-    (:func:`~.digest.shard_regions`), for the saving ranks to sum the deferred digest: only
-    under the fully parallel distribution (one copy of each shard saved per DP group; the
-    ``atomic`` algorithm saves every copy)."""
+    """The shards of an asynchronous local save's state dict and their data
+    (:func:`~.digest.shard_sources`; where they lie is worked out off the training loop), for
+    the saving ranks to sum the deferred digest: only under the fully parallel distribution (one
+    copy of each shard saved per DP group; the ``atomic`` algorithm saves every copy)."""
     from megatron.training import checkpointing
 
     algo = getattr(checkpointing.get_args(), "non_persistent_local_ckpt_algo", "fully_parallel")
-    return shard_regions(state_dict) if algo == "fully_parallel" else []
+    return shard_sources(state_dict) if algo == "fully_parallel" else []
 
 
 def _wrap_load_base_checkpoint(orig):
