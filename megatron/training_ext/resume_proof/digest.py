@@ -258,9 +258,7 @@ class DeferredDigest(PartialDigest):
             _add_tensors(model, optimizer, self.args, self, shs=self.model_shs)
         except Exception as e:  # noqa: BLE001 - e.g. a tensor type the digest cannot read
             rng, scalars, error = self.share
-            if error is None:
-                error = f"rank {process_rank()}: {type(e).__name__}: {e}"
-            self.share = (rng, scalars, error)
+            self.share = (rng, scalars, error or _rank_error(e))
         finally:
             self.model_shs = None
 
@@ -302,6 +300,11 @@ class DeferredDigest(PartialDigest):
             for key, s in self.recorded:
                 self.sums[key] = (self.sums.get(key, 0) + s()) & _MASK
         self.recorded = []
+
+
+def _rank_error(e: Exception) -> str:
+    """This rank's failure as the digest's exchange carries it."""
+    return f"rank {process_rank()}: {type(e).__name__}: {e}"
 
 
 def _shallow_copy(obj: Any) -> Any:
@@ -532,23 +535,19 @@ def _optimizer_steps(optimizer: Any) -> List[float]:
     save); it is not training state and is not digested."""
     steps = set()
     with no_torch_function():  # reads only: the CPU backend's mode costs ~2 us per call
-        _collect_steps(optimizer, steps)
+        for opt in _optimizers(optimizer):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            own = set()
+            for state in inner.state.values():
+                s = state.get("step") if isinstance(state, dict) else None
+                if s is not None:
+                    own.add(float(s))
+            if not own:
+                own = {float(g["step"]) for g in inner.param_groups if "step" in g}
+            steps |= own
     return sorted(steps)
-
-
-def _collect_steps(optimizer: Any, steps: set) -> None:
-    for opt in _optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        own = set()
-        for state in inner.state.values():
-            s = state.get("step") if isinstance(state, dict) else None
-            if s is not None:
-                own.add(float(s))
-        if not own:
-            own = {float(g["step"]) for g in inner.param_groups if "step" in g}
-        steps |= own
 
 
 def _rng_digest() -> Dict[str, str]:
@@ -663,7 +662,7 @@ def _local_share(
             "optimizer_step": _optimizer_steps(optimizer),
         }
     except Exception as e:  # noqa: BLE001 - e.g. a tensor type the digest cannot read
-        error = f"rank {process_rank()}: {type(e).__name__}: {e}"
+        error = _rank_error(e)
     return (acc.sums, acc.meta, acc.skipped, rng, scalars, error)
 
 
@@ -750,7 +749,7 @@ def finish_deferred(deferred: DeferredDigest, exchange: DigestExchange) -> dict:
         try:
             deferred.evaluate()
         except Exception as e:  # noqa: BLE001 - exchanged, so no rank is left alone
-            error = f"rank {process_rank()}: {type(e).__name__}: {e}"
+            error = _rank_error(e)
     rng, scalars, _ = deferred.share
     mine = (deferred.sums, deferred.meta, deferred.skipped, rng, scalars, error)
     return _record(mine, exchange, deferred.args, deferred.iteration, t0)
